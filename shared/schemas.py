@@ -1,0 +1,159 @@
+"""Wire schemas shared by the rollout, buffer and trainer services.
+
+One pydantic v2 model per message. Every invariant written in DESIGN.md ("Wire schemas") is
+checked here, at the edge, so a receiver never has to re-check it: a Sample that validates has a
+loss mask and logprobs of exactly ``response_length`` entries, finite rewards, and token ids that
+are non-negative (and below ``vocab_size`` when the validation context carries one, e.g.
+``Sample.model_validate(d, context={"vocab_size": 32000})``).
+
+Validation errors name the field (pydantic's ``loc``), which services turn into 422 answers.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+MAX_GROUP_SIZE = 1024
+
+
+class SampleStatus(str, Enum):
+    """How a trajectory ended. ``failed`` samples carry no reward and are never trained on."""
+
+    completed = "completed"
+    truncated = "truncated"
+    aborted = "aborted"
+    failed = "failed"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_enum_values=True)
+
+
+class Sample(_Wire):
+    """One trajectory: prompt + response tokens and what the trainer needs to learn from them."""
+
+    uid: str = Field(min_length=1, max_length=512, description="unique across the run; the idempotency key")
+    group_id: str = Field(min_length=1, max_length=512, description="samples of one prompt share it")
+    index: int = Field(default=0, ge=0, description="position in its group")
+    tokens: list[int] = Field(description="prompt + response token ids, each in [0, vocab)")
+    response_length: int = Field(default=0, ge=0, description="<= len(tokens)")
+    loss_mask: list[int] = Field(default_factory=list, description="len == response_length; 0/1 (0 = tool/env tokens)")
+    rollout_logprobs: list[float] | None = Field(default=None, description="len == response_length; finite, <= 0")
+    reward: float | None = Field(default=None, description="finite; null only when status is failed")
+    status: SampleStatus = Field(default=SampleStatus.completed)
+    weight_version: int = Field(default=0, ge=0, description="oldest policy version that produced a response token")
+    prompt: str | None = None
+    response: str | None = None
+    label: Any = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens_in_vocab(cls, v: list[int], info: ValidationInfo) -> list[int]:
+        if v and min(v) < 0:
+            raise ValueError(f"token ids must be >= 0 (found {min(v)})")
+        vocab = (info.context or {}).get("vocab_size") if info.context else None
+        if vocab is not None and v and max(v) >= vocab:
+            raise ValueError(f"token id {max(v)} is outside the vocabulary [0, {vocab})")
+        return v
+
+    @field_validator("loss_mask")
+    @classmethod
+    def _mask_binary(cls, v: list[int]) -> list[int]:
+        if v and not set(v) <= {0, 1}:
+            raise ValueError("loss_mask values must be 0 or 1")
+        return v
+
+    @field_validator("rollout_logprobs")
+    @classmethod
+    def _logprobs_nonpositive(cls, v: list[float] | None) -> list[float] | None:
+        if v and max(v) > 0.0:
+            raise ValueError(f"rollout_logprobs must be <= 0 (found {max(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "Sample":
+        n = self.response_length
+        if n > len(self.tokens):
+            raise ValueError(f"response_length ({n}) exceeds len(tokens) ({len(self.tokens)})")
+        if len(self.loss_mask) != n:
+            raise ValueError(f"len(loss_mask) ({len(self.loss_mask)}) != response_length ({n})")
+        if self.rollout_logprobs is not None and len(self.rollout_logprobs) != n:
+            raise ValueError(f"len(rollout_logprobs) ({len(self.rollout_logprobs)}) != response_length ({n})")
+        if self.reward is None and self.status != SampleStatus.failed.value:
+            raise ValueError("reward may be null only when status is 'failed'")
+        if self.reward is not None and not math.isfinite(self.reward):  # allow_inf_nan guards JSON; be explicit
+            raise ValueError("reward must be finite")
+        return self
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+
+class Group(_Wire):
+    """All samples drawn for one prompt. Its weight_version is the minimum over its samples."""
+
+    group_id: str = Field(min_length=1, max_length=512)
+    samples: list[Sample] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Group":
+        seen: set[int] = set()
+        for i, s in enumerate(self.samples):
+            if s.group_id != self.group_id:
+                raise ValueError(f"samples[{i}].group_id {s.group_id!r} != group_id {self.group_id!r}")
+            if s.index in seen:
+                raise ValueError(f"samples[{i}].index {s.index} is repeated within the group")
+            seen.add(s.index)
+        return self
+
+    @property
+    def weight_version(self) -> int:
+        return min(s.weight_version for s in self.samples)
+
+
+# ---- buffer API messages -------------------------------------------------------------------
+
+
+class PostGroupsRequest(_Wire):
+    groups: list[Group] = Field(min_length=1, description="all or nothing: one invalid group rejects the request")
+
+
+class PostGroupsResponse(_Wire):
+    accepted: int = Field(ge=0)
+    duplicates: int = Field(ge=0)
+
+
+class LeaseRequest(_Wire):
+    groups: int = Field(ge=1, le=1_000_000, description="exactly this many groups, or 204")
+    wait_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    lease_s: float = Field(default=600.0, gt=0.0, le=7 * 24 * 3600.0)
+    min_weight_version: int | None = Field(default=None, ge=0)
+
+
+class LeaseResponse(_Wire):
+    lease_id: str
+    groups: list[Group]
+    expires_at: float = Field(description="unix time at which the lease lapses")
+
+
+class PolicyVersionRequest(_Wire):
+    version: int = Field(ge=0)
+
+
+class BufferStats(_Wire):
+    queued: int
+    leased: int
+    consumed: int
+    evicted_stale: int
+    duplicates: int
+    rejected: int
+    throttled: int
+    policy_version: int
+    capacity: int

@@ -1,0 +1,105 @@
+"""Test helpers for real processes on loopback: free ports, start, wait for health, stop by pid.
+
+Tests end only the processes they started (by pid, SIGTERM then SIGKILL), never by name.
+Child processes get few torch threads and OMP_WAIT_POLICY=PASSIVE: on the 2-core machine
+spinning OpenMP threads of several processes slow each other down 30x.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
+    """Environment for a child process: quiet OpenMP, bounded threads, repo on the path."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env
+
+
+def headrace_cmd(*args: str) -> list[str]:
+    """Command line running ``headrace ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "deploy.cli", *args]
+
+
+class Proc:
+    """A child process with its log file; ``stop()`` ends it and only it."""
+
+    def __init__(self, cmd: Sequence[str], log: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.cmd = list(cmd)
+        self.log_path = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log, "ab")
+        self.popen = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=env or child_env(), cwd=str(cwd or REPO),
+                                      start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 60.0, ok=(200,)) -> None:
+        """Poll ``url`` until it answers one of ``ok``; fail with the log if the process dies."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"process exited ({self.popen.returncode}) before {url} was up:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code in ok:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{url} not up after {timeout}s:\n{self.log()[-4000:]}")
+
+    def kill9(self) -> None:
+        """SIGKILL this process (and the process group it leads) without any cleanup."""
+        if self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+        self._log.close()
+        return self.popen.returncode
