@@ -68,6 +68,7 @@ class DataConfig(_Section):
     task_config: dict[str, Any] = Field(default_factory=dict, description="reasoning-gym dataset options")
     size: int = Field(default=100_000, ge=1, description="procedural task: items per epoch")
     input_key: str = Field(default="prompt", description="record key holding the prompt (str or messages)")
+    prompt_template: str = Field(default="{prompt}", description="format string applied to the prompt text ({prompt})")
     label_key: str | None = Field(default="label", description="record key holding the ground truth")
     metadata_key: str | None = Field(default=None, description="record key copied into sample metadata")
     apply_chat_template: bool = Field(default=False, description="render prompts with the tokenizer's chat template")
