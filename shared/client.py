@@ -1,0 +1,250 @@
+"""HTTP clients of the buffer service: ``BufferClient`` (sync, the trainer) and
+``AsyncBufferClient`` (asyncio, the rollout service). Same methods, same semantics.
+
+Retry policy (every method but ``health``): connection errors, timeouts, 5xx and 429 are retried
+up to ``retries`` times with exponential backoff (``backoff_s`` doubling, capped at
+``max_backoff_s``, with jitter); a 429 waits for its ``Retry-After`` instead. Other 4xx answers are
+raised at once as ``BufferError`` carrying the status and the server's message. Retries are safe:
+
+- POST /v1/groups is idempotent because the buffer dedupes by ``Sample.uid`` and ``group_id`` (a
+  retry of a POST that was committed reports duplicates and stores nothing twice);
+- ack, release and policy-version updates are idempotent on the server;
+- a lease whose answer was lost in transit is not delivered to anyone: its groups return to the
+  queue when it expires, or at once if the buffer restarted.
+
+Bodies go as msgpack (``msgpack=True``, the default, also asking for msgpack answers) or JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any, Iterable
+
+import httpx
+
+from shared import wire
+from shared.schemas import BufferStats, Group, LeaseResponse, PostGroupsResponse
+
+__all__ = ["BufferError", "BufferClient", "AsyncBufferClient"]
+
+
+class BufferError(RuntimeError):
+    """A buffer request failed. ``status`` is the HTTP status (0: no answer), ``message`` the server's text."""
+
+    def __init__(self, status: int, message: str, method: str = "", path: str = "") -> None:
+        self.status = status
+        self.message = message
+        self.method = method
+        self.path = path
+        where = f"{method} {path}: " if method else ""
+        super().__init__(f"{where}{status or 'no answer'}: {message}")
+
+
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+def _group_payload(groups: Iterable[Group | dict[str, Any]]) -> dict[str, Any]:
+    out = []
+    for g in groups:
+        out.append(g.model_dump(mode="json") if isinstance(g, Group) else g)
+    return {"groups": out}
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _message(resp: httpx.Response) -> str:
+    try:
+        body = wire.decode_answer(resp.content, resp.headers.get("content-type"))
+    except wire.WireError:
+        return resp.text[:2000]
+    if isinstance(body, dict):
+        for key in ("detail", "error", "message"):
+            if key in body:
+                return str(body[key])
+    return str(body)[:2000]
+
+
+class _Base:
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0 (got {retries})")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.msgpack = msgpack
+        self.headers = {"accept": wire.MSGPACK if msgpack else wire.JSON}
+        if token:
+            self.headers["authorization"] = f"Bearer {token}"
+
+    def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
+        if resp is not None and resp.status_code == 429:
+            ra = _retry_after(resp)
+            if ra is not None:
+                return ra
+        base = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
+        return base * (0.5 + random.random() / 2)
+
+    def _prepare(self, body: Any) -> tuple[bytes | None, dict[str, str]]:
+        if body is None:
+            return None, self.headers
+        content, ctype = wire.encode_request(body, self.msgpack)
+        return content, {**self.headers, "content-type": ctype}
+
+    @staticmethod
+    def _should_retry(resp: httpx.Response) -> bool:
+        return resp.status_code in _RETRY_STATUS
+
+    @staticmethod
+    def _result(method: str, path: str, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            raise BufferError(resp.status_code, _message(resp), method, path)
+        if resp.status_code == 204 or not resp.content:
+            return None
+        return wire.decode_answer(resp.content, resp.headers.get("content-type"))
+
+    @staticmethod
+    def _lease_body(groups: int, wait_s: float, lease_s: float, min_weight_version: int | None) -> dict[str, Any]:
+        return {"groups": groups, "wait_s": wait_s, "lease_s": lease_s, "min_weight_version": min_weight_version}
+
+
+class BufferClient(_Base):
+    """Synchronous buffer client (httpx). Use as a context manager or call ``close()``."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
+        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        content, headers = self._prepare(body)
+        last = ""
+        for attempt in range(self.retries + 1):
+            resp = None
+            try:
+                resp = self._http.request(method, path, content=content, headers=headers,
+                                          timeout=timeout or self.timeout)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if not self._should_retry(resp) or attempt == self.retries:
+                    return self._result(method, path, resp)
+            if attempt < self.retries:
+                time.sleep(self._delay(attempt, resp))
+        raise BufferError(0, f"no answer after {self.retries + 1} attempts ({last})", method, path)
+
+    def health(self) -> bool:
+        """True when GET /health answers 200 (no retries)."""
+        try:
+            return self._http.get("/health", timeout=min(self.timeout, 5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def post_groups(self, groups: list[Group | dict[str, Any]]) -> PostGroupsResponse:
+        """Store groups (all or nothing); committed when this returns."""
+        return PostGroupsResponse.model_validate(self._request("POST", "/v1/groups", _group_payload(groups)))
+
+    def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
+              min_weight_version: int | None = None) -> LeaseResponse | None:
+        """Lease exactly ``groups`` groups, waiting up to ``wait_s``; None when not available (204)."""
+        out = self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
+                            timeout=self.timeout + wait_s)
+        return None if out is None else LeaseResponse.model_validate(out)
+
+    def ack(self, lease_id: str) -> None:
+        """Mark the lease's groups consumed (durable; idempotent). 409 if it expired, 404 if unknown."""
+        self._request("POST", f"/v1/leases/{lease_id}/ack")
+
+    def release(self, lease_id: str) -> None:
+        """Return the lease's groups to the queue."""
+        self._request("POST", f"/v1/leases/{lease_id}/release")
+
+    def set_policy_version(self, version: int) -> None:
+        """Announce the trainer's policy version; the buffer evicts groups that became too stale."""
+        self._request("PUT", "/v1/policy_version", {"version": version})
+
+    def stats(self) -> BufferStats:
+        return BufferStats.model_validate(self._request("GET", "/v1/stats"))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "BufferClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncBufferClient(_Base):
+    """Asyncio buffer client (httpx). Use as an async context manager or ``await close()``."""
+
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
+        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout)
+
+    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        content, headers = self._prepare(body)
+        last = ""
+        for attempt in range(self.retries + 1):
+            resp = None
+            try:
+                resp = await self._http.request(method, path, content=content, headers=headers,
+                                                timeout=timeout or self.timeout)
+            except httpx.TransportError as e:
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if not self._should_retry(resp) or attempt == self.retries:
+                    return self._result(method, path, resp)
+            if attempt < self.retries:
+                await asyncio.sleep(self._delay(attempt, resp))
+        raise BufferError(0, f"no answer after {self.retries + 1} attempts ({last})", method, path)
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get("/health", timeout=min(self.timeout, 5.0))).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def post_groups(self, groups: list[Group | dict[str, Any]]) -> PostGroupsResponse:
+        return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", _group_payload(groups)))
+
+    async def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
+                    min_weight_version: int | None = None) -> LeaseResponse | None:
+        out = await self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
+                                  timeout=self.timeout + wait_s)
+        return None if out is None else LeaseResponse.model_validate(out)
+
+    async def ack(self, lease_id: str) -> None:
+        await self._request("POST", f"/v1/leases/{lease_id}/ack")
+
+    async def release(self, lease_id: str) -> None:
+        await self._request("POST", f"/v1/leases/{lease_id}/release")
+
+    async def set_policy_version(self, version: int) -> None:
+        await self._request("PUT", "/v1/policy_version", {"version": version})
+
+    async def stats(self) -> BufferStats:
+        return BufferStats.model_validate(await self._request("GET", "/v1/stats"))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncBufferClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
