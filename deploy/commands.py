@@ -22,7 +22,23 @@ def launch(
     assume_gpus: Optional[int] = typer.Option(None, min=1, help="with --dry-run: one imaginary node of N GPUs"),
 ) -> None:
     """Launch the services on a Ray cluster."""
-    raise typer.Exit("headrace launch: not implemented yet")
+    import json
+
+    from deploy.plan import PlanError, assumed_nodes, make_plan
+    from shared.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+        if dry_run and assume_gpus is not None:
+            plan = make_plan(cfg, placement, assumed_nodes(assume_gpus))  # type: ignore[arg-type]
+            typer.echo(json.dumps(plan.to_json(), indent=2))
+            return
+        from deploy.ray_launch import launch_on_ray
+
+        launch_on_ray(cfg, placement, dry_run=dry_run)  # type: ignore[arg-type]
+    except (ConfigError, PlanError) as e:
+        typer.echo(f"headrace launch: {e}", err=True)
+        raise typer.Exit(2)
 
 
 def init_model(
