@@ -42,8 +42,20 @@ def launch(
 
 
 def init_model(
-    preset: str = typer.Option(..., help="preset name, e.g. tiny-qwen2, tiny-llama"),
+    preset: str = typer.Option(..., help="preset name: tiny-qwen2, tiny-llama, micro-qwen2, qwen2-5m, "
+                                         "qwen3-tiny, llama-5m, smollm2-135m"),
     out: str = typer.Option(..., help="output directory"),
+    seed: int = typer.Option(0, min=0, help="seed of the random initialisation (random presets)"),
 ) -> None:
     """Write a small HF model directory (config, safetensors, tokenizer) offline."""
-    raise typer.Exit("headrace init-model: not implemented yet")
+    from shared.modelzoo import describe, init_model as write_model, presets
+
+    if preset not in presets():
+        typer.echo(f"headrace init-model: unknown preset {preset!r}; available: {', '.join(presets())}", err=True)
+        raise typer.Exit(2)
+    try:
+        path = write_model(preset, out, seed=seed)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        typer.echo(f"headrace init-model: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {preset} ({describe(preset)}) to {path}")
