@@ -10,9 +10,18 @@ import typer
 def run(
     config: Optional[str] = typer.Option(None, help="run YAML (default: the built-in CPU demo)"),
     out: Optional[str] = typer.Option(None, help="output directory (default run.out)"),
+    resume: Optional[str] = typer.Option(None, help="continue the run in this directory from its last checkpoint"),
 ) -> None:
     """Start buffer, engines, rollout and trainer on this machine and train."""
-    raise typer.Exit("headrace run: not implemented yet")
+    from deploy.local import run_local
+    from shared.config import ConfigError
+
+    try:
+        code = run_local(config, out, resume)
+    except (ConfigError, FileNotFoundError) as e:
+        typer.echo(f"headrace run: {e}", err=True)
+        raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def launch(

@@ -1,0 +1,134 @@
+"""Child-process supervision for ``headrace run``: start, health-check, stop — by pid only.
+
+Guarantees: every child runs in its own process group with bounded torch threads and
+``OMP_WAIT_POLICY=PASSIVE`` (several spinning OpenMP pools on 2 cores slow each other ~30x);
+``stop_all`` sends SIGTERM to each child's group in reverse start order, then SIGKILL after a
+grace period, so one Ctrl-C leaves no process behind. Nothing here signals a process it did not start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+import httpx
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def headrace_argv(*args: str) -> list[str]:
+    """``headrace ARGS`` run by this interpreter (works without the console script on PATH)."""
+    return [sys.executable, "-m", "deploy.cli", *args]
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    _log: IO[bytes] = field(repr=False)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+class ChildFailed(RuntimeError):
+    """A child exited or never became healthy; the message carries the end of its log."""
+
+
+class Supervisor:
+    """Owns the children of one run; use as a context manager so they are always stopped."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+
+    def start(self, name: str, argv: Sequence[str], *, threads: int = 1, env: dict[str, str] | None = None) -> Child:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        log = open(log_path, "ab")
+        popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=child_env(threads, env), start_new_session=True)
+        child = Child(name, popen, log_path, log)
+        self.children.append(child)
+        return child
+
+    def wait_healthy(self, child: Child, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not child.alive():
+                raise ChildFailed(f"{child.name} exited with code {child.popen.returncode} before it was healthy "
+                                  f"(log {child.log_path}):\n{child.tail()}")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise ChildFailed(f"{child.name} not healthy at {url} after {timeout_s:.0f}s (log {child.log_path}):\n{child.tail()}")
+
+    def check(self) -> None:
+        """Raise ChildFailed if a service child died (the trainer's exit is handled by the caller)."""
+        for c in self.children:
+            if not c.alive() and c.popen.returncode != 0:
+                raise ChildFailed(f"{c.name} exited with code {c.popen.returncode} (log {c.log_path}):\n{c.tail()}")
+
+    def stop_all(self, grace_s: float = 20.0) -> None:
+        for c in reversed(self.children):
+            if c.alive():
+                try:
+                    os.killpg(c.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for c in reversed(self.children):
+            try:
+                c.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(c.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                c.popen.wait(10)
+            c._log.close()
+
+    def __enter__(self) -> "Supervisor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
