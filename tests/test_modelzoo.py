@@ -185,3 +185,16 @@ def test_smollm2_tokenizer_roundtrip(smollm2_dir: Path) -> None:
         assert tok.decode(tok(s)["input_ids"]) == s
     # ids agree with the GGUF's vocabulary order
     assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def test_unpermute_qk_inverts_llama_cpp_layout() -> None:
+    import numpy as np
+
+    from shared.modelzoo.smollm2 import unpermute_qk
+
+    n_head, hd, width = 3, 8, 5
+    w = np.arange(n_head * hd * width, dtype=np.float32).reshape(n_head * hd, width)
+    # llama.cpp's converter: rows of each head reordered from [2, hd/2] to [hd/2, 2]
+    permuted = w.reshape(n_head, 2, hd // 2, width).swapaxes(1, 2).reshape(w.shape)
+    assert not np.array_equal(permuted, w)
+    assert np.array_equal(unpermute_qk(permuted, n_head), w)
