@@ -1,0 +1,226 @@
+"""``headrace launch``: the services on a Ray cluster, placed by ``deploy.plan``.
+
+One placement group of ``{GPU: 1, CPU: k}`` bundles, ordered by node and GPU id (the plan's
+order). Every service stays the same command it is everywhere else (``headrace buffer serve``,
+``headrace engine serve`` or SGLang, ``headrace rollout serve``, ``headrace train``); a Ray actor
+only pins it to its resources and owns its process:
+
+- buffer and rollout service: CPU-only actors on the driver's node;
+- engines: one actor per engine, on the bundle of its TP rank 0, with CUDA_VISIBLE_DEVICES set to
+  the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL;
+- trainer: one actor per rank on its bundle, torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR =
+  rank 0's node, MASTER_PORT); ``headrace train`` runs that single rank.
+
+Colocated: trainer ranks and engines share bundles with fractional GPU shares, and the rollout
+runs on demand (the synchronous loop releases engine memory while training). Disaggregated:
+separate bundles and the asynchronous loop. ``out`` must be on storage every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deploy.plan import Placement, Plan, make_plan, ray_nodes
+from shared.config import HeadraceConfig, save_config
+
+CPUS_PER_BUNDLE = 1
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _Service:
+    """Body of the Ray actor that owns one service process (defined plain so it imports without ray)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, gpu_env: bool = True) -> None:
+        import ray
+
+        self.name = name
+        full_env = dict(os.environ)
+        full_env.update(env)
+        full_env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        ids = [str(int(i)) for i in ray.get_gpu_ids()] if gpu_env else []
+        if "CUDA_VISIBLE_DEVICES" not in env and ids:
+            full_env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=full_env, start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            except ProcessLookupError:
+                pass
+        return self.proc.returncode
+
+
+class _Probe:
+    """Reports where Ray placed a bundle: node IP and the GPU ids it granted."""
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "gpus": [str(int(i)) for i in ray.get_gpu_ids()]}
+
+
+def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
+    import httpx
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = ray.get(actor.poll.remote())
+        if code is not None:
+            raise RuntimeError(f"service behind {url} exited with code {code}:\n{ray.get(actor.tail.remote())}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s:\n{ray.get(actor.tail.remote())}")
+
+
+def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
+    eng = cfg.rollout.engines
+    if eng.backend == "sglang":
+        python = eng.python or sys.executable
+        return [python, "-m", "sglang.launch_server", "--model-path", cfg.model, "--host", host, "--port", str(port),
+                "--tp-size", str(cfg.run.engine_tp), *eng.args]
+    return [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", cfg.model, "--host", host, "--port", str(port), *eng.args]
+
+
+def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = False) -> int:
+    """Connect to RAY_ADDRESS (or start a local Ray), place, run the loop to the end; returns the trainer's exit code."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
+    plan: Plan = make_plan(cfg, placement, ray_nodes())
+    if dry_run:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    out = Path(cfg.run.out).resolve()
+    logs = str(out / "logs")
+    pg = placement_group([{"GPU": 1, "CPU": CPUS_PER_BUNDLE} for _ in plan.bundles], strategy="PACK")
+    ray.get(pg.ready(), timeout=600)
+    share = 0.5 if placement == "colocated" else 1.0
+
+    def on(bundle: int) -> Any:
+        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+
+    Service = ray.remote(_Service)
+    Probe = ray.remote(_Probe)
+    actors: list[Any] = []
+    try:
+        probes = [Probe.options(num_cpus=0, num_gpus=0.01, scheduling_strategy=on(b.index)).remote() for b in plan.bundles]
+        where = ray.get([p.info.remote() for p in probes])
+        for p in probes:
+            ray.kill(p)
+        host = "127.0.0.1" if len({w["ip"] for w in where}) == 1 else ray.util.get_node_ip_address()
+        here = ray.util.get_node_ip_address()
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.run.out = str(out)
+        run_cfg.buffer.host = host
+        run_cfg.buffer.port = _free_port()
+        run_cfg.buffer.url = f"http://{here if host != '127.0.0.1' else host}:{run_cfg.buffer.port}"
+        run_cfg.rollout.host = host
+        run_cfg.rollout.port = _free_port()
+        run_cfg.rollout.url = f"http://{here if host != '127.0.0.1' else host}:{run_cfg.rollout.port}"
+        if placement == "colocated":
+            run_cfg.rollout.mode = "on_demand"
+        run_cfg.run.placement = placement
+
+        buffer = Service.options(num_cpus=0).remote("buffer", [sys.executable, "-m", "deploy.cli", "buffer", "serve",
+                                                   "--host", host, "--port", str(run_cfg.buffer.port),
+                                                   "--db", str(run_cfg.buffer.db or out / "buffer.sqlite"),
+                                                   "--capacity", str(cfg.buffer.capacity),
+                                                   "--max-staleness", str(cfg.buffer.max_staleness)], {}, logs, False)
+        actors.append(buffer)
+        _wait_http(f"{run_cfg.buffer.url}/health", buffer, 120)
+
+        urls = []
+        for e in plan.engines:
+            first = e["bundles"][0]
+            ip = where[first]["ip"] if host != "127.0.0.1" else host
+            port = _free_port()
+            gpu_ids = ",".join(g for b in e["bundles"] for g in where[b]["gpus"])
+            argv = _engine_argv(cfg, ip, port)
+            actor = Service.options(num_cpus=0, num_gpus=share,
+                                    scheduling_strategy=on(first)).remote(
+                f"engine{e['engine']}", argv, {"CUDA_VISIBLE_DEVICES": gpu_ids, "OMP_NUM_THREADS": "1"}, logs)
+            actors.append(actor)
+            urls.append((f"http://{ip}:{port}", actor))
+        for url, actor in urls:
+            _wait_http(f"{url}/health", actor, cfg.rollout.engines.startup_timeout_s)
+        run_cfg.rollout.engines.backend = "external"
+        run_cfg.rollout.engines.urls = [u for u, _ in urls]
+        run_cfg.rollout.engines.tp = cfg.run.engine_tp
+        config_file = save_config(run_cfg, out / "config.yaml")
+
+        rollout = Service.options(num_cpus=0).remote("rollout", [sys.executable, "-m", "deploy.cli", "rollout", "serve",
+                                                     "--config", str(config_file)], {}, logs, False)
+        actors.append(rollout)
+        _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)
+
+        master = where[0]["ip"] if host != "127.0.0.1" else "127.0.0.1"
+        master_port = str(_free_port())
+        world = plan.trainer["world_size"]
+        trainers = []
+        for rank in range(world):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": master,
+                   "MASTER_PORT": master_port, "OMP_NUM_THREADS": str(cfg.trainer.threads or 1)}
+            t = Service.options(num_cpus=0, num_gpus=share,
+                                scheduling_strategy=on(rank)).remote(
+                f"trainer{rank}", [sys.executable, "-m", "deploy.cli", "train", "--config", str(config_file),
+                                   "--rollout-url", run_cfg.rollout.url], env, logs)
+            trainers.append(t)
+            actors.append(t)
+        while True:
+            codes = ray.get([t.poll.remote() for t in trainers])
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r, c = failed[0]
+                raise RuntimeError(f"trainer rank {r} exited with code {c}:\n{ray.get(trainers[r].tail.remote())}")
+            if all(c == 0 for c in codes):
+                return 0
+            for name, a in (("buffer", buffer), ("rollout", rollout)):
+                c = ray.get(a.poll.remote())
+                if c is not None:
+                    raise RuntimeError(f"{name} exited with code {c}:\n{ray.get(a.tail.remote())}")
+            time.sleep(1.0)
+    finally:
+        for a in reversed(actors):
+            try:
+                ray.get(a.stop.remote(), timeout=60)
+            except Exception:  # an actor that already died has nothing left to stop
+                pass
+            ray.kill(a)
+        remove_placement_group(pg)
