@@ -17,4 +17,23 @@ def serve(
     buffer_url: Optional[str] = typer.Option(None, help="buffer URL (default buffer.url)"),
 ) -> None:
     """Serve the rollout service."""
-    raise typer.Exit("headrace rollout serve: not implemented yet")
+    import logging
+    import os
+
+    from shared.config import ConfigError, load_config
+    from shared.plugins import PluginError
+
+    logging.basicConfig(level=os.environ.get("HEADRACE_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url})
+        import uvicorn
+
+        from rollout.data import DataError
+        from rollout.service import create_app
+
+        app = create_app(cfg)
+    except (ConfigError, PluginError, DataError, ValueError, OSError) as e:
+        typer.echo(f"headrace rollout serve: {e}", err=True)
+        raise typer.Exit(2)
+    uvicorn.run(app, host=cfg.rollout.host, port=cfg.rollout.port, log_level="warning")

@@ -59,7 +59,12 @@ class EnginesConfig(_Section):
     base_port: int = Field(default=30000, ge=1024, le=65000, description="first port for launched engines")
     startup_timeout_s: float = Field(default=300.0, gt=0, description="how long an engine may take to become healthy")
     request_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one /generate call")
-    threads: int | None = Field(default=None, ge=1, le=512, description="torch threads per reference engine")
+    threads: int | None = Field(default=None, ge=1, le=512, description="torch threads per reference engine (default 1)")
+    health_interval_s: float = Field(default=1.0, gt=0, le=3600, description="seconds between engine health checks")
+    health_failures: int = Field(default=3, ge=1, le=1000, description="failed checks before a live engine counts as down")
+    restart: bool = Field(default=True, description="relaunch a launched engine that died or hung")
+    max_restarts: int = Field(default=10, ge=0, le=100_000, description="restarts per engine before giving up on it")
+    router_port: int | None = Field(default=None, ge=1024, le=65535, description="port of sglang-router (router: sglang); default a free port")
 
 
 class DataConfig(_Section):
@@ -118,6 +123,12 @@ class RolloutConfig(_Section):
     max_oversample: int = Field(default=8, ge=1, description="dynamic sampling: draw at most this x groups")
     state_path: str | None = Field(default=None, description="data cursor file; default <run.out>/rollout_state.json")
     reward_url: str | None = Field(default=None, description="reward model URL for reward: remote")
+    reward_timeout_s: float = Field(default=60.0, gt=0, description="timeout of one reward call")
+    run_id: str | None = Field(default=None, min_length=1, max_length=128,
+                               description="prefix of group ids / uids (idempotency keys); default derived from run.out")
+    push_batch: int = Field(default=64, ge=1, le=100_000, description="most groups sent in one POST /v1/groups")
+    push_retry_max_s: float = Field(default=5.0, gt=0, description="longest wait between push retries (never gives up)")
+    stats_interval_s: float = Field(default=0.5, gt=0, description="how often continuous mode polls the buffer's /v1/stats")
 
 
 # ---- trainer ---------------------------------------------------------------------------------

@@ -1,0 +1,215 @@
+"""Prompt sources (jsonl, parquet, reasoning-gym tasks) with seeded shuffling, epochs and a cursor.
+
+Guarantees:
+- Order is a pure function of (seed, epoch): epoch ``e`` visits every item once, in the
+  permutation drawn from ``Random(seed * 1_000_003 + e)`` (identity when ``shuffle`` is off).
+- Every drawn item has a global position ``g = epoch * len + index_in_epoch``; ``key`` is derived
+  from it, so the same prompt slot always gets the same group id (a retried push deduplicates).
+- The cursor is the pair (watermark, done-set): every position below the watermark is finished
+  (pushed, filtered out or failed), ``done`` lists finished positions above it. ``mark_done``
+  rewrites the state file atomically (temp file + rename), so a restart neither skips nor repeats a
+  prompt: drawn-but-unfinished positions are drawn again, finished ones never.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shared.config import DataConfig
+
+EVAL_SEED_OFFSET = 10_000_000  # reasoning-gym seeds shift item indices: keep eval far from training
+
+
+class DataError(ValueError):
+    """A prompt file or task that cannot be used, with the file/line or key in the message."""
+
+
+@dataclass
+class PromptItem:
+    """One prompt slot. ``prompt`` is text or a list of chat messages."""
+
+    position: int
+    epoch: int
+    prompt: str | list[dict[str, Any]]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"e{self.epoch}-g{self.position}"
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"data.path: file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson"):
+        records = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({e})") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+                records.append(rec)
+        return records
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    raise DataError(f"data.path: {path} is neither .jsonl nor .parquet")
+
+
+def _render(cfg: DataConfig, rec: dict[str, Any], where: str) -> tuple[Any, Any, dict[str, Any]]:
+    if cfg.input_key not in rec:
+        raise DataError(f"{where}: no key {cfg.input_key!r} (data.input_key); keys are {sorted(rec)}")
+    prompt = rec[cfg.input_key]
+    if isinstance(prompt, str):
+        try:
+            prompt = cfg.prompt_template.format(prompt=prompt)
+        except (KeyError, IndexError, ValueError) as e:
+            raise DataError(f"data.prompt_template: cannot format ({e}); use {{prompt}} for the text") from None
+    elif not (isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)):
+        raise DataError(f"{where}: {cfg.input_key!r} must be a string or a list of chat messages")
+    label = rec.get(cfg.label_key) if cfg.label_key else None
+    meta = rec.get(cfg.metadata_key) if cfg.metadata_key else None
+    if meta is not None and not isinstance(meta, dict):
+        meta = {cfg.metadata_key: meta}
+    return prompt, label, dict(meta or {})
+
+
+def _task_items(cfg: DataConfig, seed: int, size: int) -> list[tuple[Any, Any, dict[str, Any]]]:
+    import reasoning_gym
+
+    try:
+        ds = reasoning_gym.create_dataset(cfg.task, seed=seed, size=size, **cfg.task_config)
+    except Exception as e:  # unknown task or bad option: name it
+        raise DataError(f"data.task {cfg.task!r} with task_config {cfg.task_config}: {type(e).__name__}: {e}") from None
+    out = []
+    for i in range(size):
+        entry = ds[i]
+        prompt = cfg.prompt_template.format(prompt=entry["question"])
+        label = {"task": cfg.task, "answer": entry["answer"], "metadata": _jsonable(entry.get("metadata", {}))}
+        out.append((prompt, label, {}))
+    return out
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+def load_items(cfg: DataConfig, *, eval: bool = False) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """(prompt, label, metadata) triples of the training (or evaluation) set, unshuffled."""
+    if cfg.task:
+        if eval:
+            return _task_items(cfg, cfg.seed + EVAL_SEED_OFFSET, cfg.eval_size)
+        return _task_items(cfg, cfg.seed, cfg.size)
+    path = cfg.eval_path if eval else cfg.path
+    if not path:
+        if eval:
+            return []
+        raise DataError("data: set either data.path (jsonl / parquet) or data.task (a reasoning-gym task)")
+    recs = _read_records(Path(path))
+    if not recs:
+        raise DataError(f"{path}: no records")
+    return [_render(cfg, r, f"{path} record {i}") for i, r in enumerate(recs)]
+
+
+class DataSource:
+    """Draws prompt slots in seeded order and remembers which are finished, across restarts."""
+
+    def __init__(self, cfg: DataConfig, state_path: str | Path | None = None) -> None:
+        self.cfg = cfg
+        self.items = load_items(cfg)
+        self.state_path = Path(state_path) if state_path else None
+        self._perms: dict[int, list[int]] = {}
+        self.watermark = 0
+        self.done: set[int] = set()
+        if self.state_path and self.state_path.is_file():
+            self._load()
+        self._next = self.watermark
+        self._outstanding: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    # ---- cursor ----
+
+    def _load(self) -> None:
+        assert self.state_path is not None
+        try:
+            st = json.loads(self.state_path.read_text())
+            self.watermark = int(st["watermark"])
+            self.done = {int(g) for g in st.get("done", []) if int(g) >= self.watermark}
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{self.state_path}: unreadable data cursor ({e}); delete it to start over") from None
+        if st.get("size") not in (None, len(self.items)):
+            raise DataError(f"{self.state_path}: cursor is for {st.get('size')} prompts, data has {len(self.items)}; "
+                            "delete the file to start over")
+
+    def _save(self) -> None:
+        if not self.state_path:
+            return
+        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
+        tmp.write_text(json.dumps({"watermark": self.watermark, "done": sorted(self.done),
+                                   "size": len(self.items), "seed": self.cfg.seed}))
+        os.replace(tmp, self.state_path)
+
+    def state(self) -> dict[str, Any]:
+        n = len(self.items)
+        return {"epoch": self.watermark // n, "position": self.watermark % n, "watermark": self.watermark,
+                "done_ahead": len(self.done), "outstanding": len(self._outstanding)}
+
+    # ---- drawing ----
+
+    def _perm(self, epoch: int) -> list[int]:
+        p = self._perms.get(epoch)
+        if p is None:
+            p = list(range(len(self.items)))
+            if self.cfg.shuffle:
+                random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(p)
+            self._perms = {epoch: p, **{e: q for e, q in self._perms.items() if e >= epoch - 1}}
+        return p
+
+    def exhausted(self) -> bool:
+        """True once every slot of the configured epochs was drawn (never with epochs: null)."""
+        return self.cfg.epochs is not None and self._skip_done(self._next) >= self.cfg.epochs * len(self.items)
+
+    def _skip_done(self, g: int) -> int:
+        while g in self.done:
+            g += 1
+        return g
+
+    def next(self) -> PromptItem | None:
+        """The next unfinished slot, or None when the configured epochs are used up."""
+        g = self._skip_done(self._next)
+        n = len(self.items)
+        if self.cfg.epochs is not None and g >= self.cfg.epochs * n:
+            return None
+        self._next = g + 1
+        self._outstanding.add(g)
+        epoch, i = divmod(g, n)
+        prompt, label, meta = self.items[self._perm(epoch)[i]]
+        return PromptItem(position=g, epoch=epoch, prompt=prompt, label=label, metadata=dict(meta))
+
+    def mark_done(self, item: PromptItem) -> None:
+        """Record a slot as finished (pushed, filtered or failed) and persist the cursor."""
+        g = item.position
+        self._outstanding.discard(g)
+        if g < self.watermark:
+            return
+        self.done.add(g)
+        while self.watermark in self.done:
+            self.done.discard(self.watermark)
+            self.watermark += 1
+        self._save()

@@ -1,0 +1,327 @@
+"""The engine fleet: launch or attach, health-check, restart, and talk to every engine over HTTP.
+
+Backends (``rollout.engines.backend``):
+- ``reference``: ``headrace engine serve --model M --port P`` child processes (OMP_NUM_THREADS from
+  ``engines.threads``, default 1, and OMP_WAIT_POLICY=PASSIVE: spinning OpenMP threads of several
+  processes on a few cores slow each other down 30x);
+- ``sglang``: ``<engines.python> -m sglang.launch_server --model-path M --port P --tp-size T <args>``;
+- ``external``: the URLs in ``engines.urls``, started elsewhere (never restarted by us).
+
+Guarantees:
+- Engines are reached only over SGLang's HTTP API; this module never imports ``rollout.engine``.
+- ``start`` returns once every engine answers /health, or raises naming the engine and its log.
+- A launched engine whose process exits, or that fails ``health_failures`` checks in a row, is
+  marked unhealthy at once (requests on it fail and are rerouted by the caller), killed and
+  relaunched on the same port (up to ``max_restarts``).
+- A restarted engine loads weights from the model directory. If the fleet already moved past
+  weight version 0 it is held out of routing (``stale``) until the next ``/v1/resume`` — after
+  the trainer has synced weights to every engine listed by /v1/engines — so no token is ever
+  tagged with a version its engine does not hold.
+- ``stop`` ends only the processes this fleet started, by process group id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from shared.config import EnginesConfig
+
+log = logging.getLogger("headrace.rollout.fleet")
+
+
+@dataclass
+class Engine:
+    """One inference server as the fleet sees it."""
+
+    index: int
+    url: str
+    world_size: int = 1
+    port: int | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    healthy: bool = False
+    stale: bool = False
+    in_flight: int = 0
+    restarts: int = 0
+    failures: int = 0
+    served: int = 0
+    restarting: bool = field(default=False, repr=False)
+
+    def status(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "stale": self.stale, "in_flight": self.in_flight,
+                "restarts": self.restarts, "served": self.served,
+                "pid": self.proc.pid if self.proc else None}
+
+
+def port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM the process group we started, then SIGKILL; only that group."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class Fleet:
+    """Engines plus their health monitor. ``version`` is the weight version engines hold."""
+
+    def __init__(self, cfg: EnginesConfig, model: str, log_dir: Path) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.log_dir = log_dir
+        self.engines: list[Engine] = []
+        self.version = 0
+        self._changed = asyncio.Event()
+        self._monitor: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+                                      limits=httpx.Limits(max_connections=4096, max_keepalive_connections=1024))
+        self._closing = False
+        self.on_replaced: Any = None  # async callback(engine) after a restart, set by the router
+
+    # ---- launching ----
+
+    def _command(self, port: int) -> list[str]:
+        b = self.cfg.backend
+        if b == "reference":
+            cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", self.model,
+                   "--host", "127.0.0.1", "--port", str(port)]
+        elif b == "sglang":
+            if not self.cfg.python:
+                raise ValueError("rollout.engines.python: backend sglang needs the python of the SGLang venv")
+            cmd = [self.cfg.python, "-m", "sglang.launch_server", "--model-path", self.model,
+                   "--host", "127.0.0.1", "--port", str(port)]
+            if self.cfg.tp > 1:
+                cmd += ["--tp-size", str(self.cfg.tp)]
+        else:
+            raise AssertionError(b)
+        return cmd + list(self.cfg.args)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        threads = str(self.cfg.threads or 1)
+        if self.cfg.backend == "reference":
+            env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        env.update(OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+        repo = str(Path(__file__).resolve().parents[1])
+        if self.cfg.backend == "reference":
+            env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        return env
+
+    def _launch(self, e: Engine) -> None:
+        assert e.port is not None
+        cmd = self._command(e.port)
+        e.log_path = self.log_dir / f"engine-{e.index}.log"
+        e.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(e.log_path, "ab") as logf:
+            logf.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
+            e.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self._env(),
+                                      start_new_session=True)
+        log.info("engine %d: pid %d on %s", e.index, e.proc.pid, e.url)
+
+    async def _wait_healthy(self, e: Engine, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if e.proc is not None and e.proc.poll() is not None:
+                tail = e.log_path.read_text(errors="replace")[-2000:] if e.log_path else ""
+                raise RuntimeError(f"engine {e.index} ({e.url}) exited with {e.proc.returncode} "
+                                   f"before it was healthy; log {e.log_path}:\n{tail}")
+            if await self._probe(e):
+                return
+            await asyncio.sleep(0.25)
+        raise RuntimeError(f"engine {e.index} ({e.url}) not healthy after {timeout:.0f} s "
+                           f"(rollout.engines.startup_timeout_s); log {e.log_path}")
+
+    async def _probe(self, e: Engine) -> bool:
+        try:
+            r = await self.http.get(f"{e.url}/health", timeout=5.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def start(self) -> None:
+        """Launch or attach every engine and wait until all are healthy; then watch them."""
+        if self.cfg.backend == "external":
+            if not self.cfg.urls:
+                raise ValueError("rollout.engines.urls: backend external needs at least one URL")
+            self.engines = [Engine(index=i, url=u.rstrip("/"), world_size=self.cfg.tp)
+                            for i, u in enumerate(self.cfg.urls)]
+        else:
+            taken: set[int] = set()
+            for i in range(self.cfg.count):
+                port = self.cfg.base_port + i
+                if not port_free(port) or port in taken:
+                    port = free_port()
+                taken.add(port)
+                self.engines.append(Engine(index=i, url=f"http://127.0.0.1:{port}", port=port,
+                                           world_size=self.cfg.tp))
+            for e in self.engines:
+                self._launch(e)
+        try:
+            await asyncio.gather(*(self._wait_healthy(e, self.cfg.startup_timeout_s) for e in self.engines))
+        except BaseException:
+            await self.stop()
+            raise
+        for e in self.engines:
+            e.healthy = True
+        await self._fetch_world_sizes()
+        self._monitor = asyncio.create_task(self._watch())
+        self._notify()
+
+    async def _fetch_world_sizes(self) -> None:
+        for e in self.engines:
+            try:
+                r = await self.http.get(f"{e.url}/get_server_info", timeout=5.0)
+                if r.status_code == 200:
+                    info = r.json()
+                    tp = int(info.get("tp_size") or info.get("tp") or e.world_size)
+                    e.world_size = tp * int(info.get("pp_size") or 1)
+            except (httpx.HTTPError, ValueError, TypeError):
+                pass
+
+    # ---- routing state ----
+
+    def routable(self) -> list[Engine]:
+        return [e for e in self.engines if e.healthy and not e.stale]
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed_wait(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def mark_down(self, e: Engine, why: str) -> None:
+        """Take an engine out of routing now (called on a connection failure or a failed check)."""
+        if e.healthy:
+            log.warning("engine %d (%s) down: %s", e.index, e.url, why)
+        e.healthy = False
+        self._notify()
+
+    def set_version(self, version: int) -> None:
+        """Weights of ``version`` are on every healthy engine (after a sync): route to all of them."""
+        self.version = version
+        for e in self.engines:
+            if e.healthy:
+                e.stale = False
+        self._notify()
+
+    # ---- health ----
+
+    async def _watch(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await asyncio.gather(*(self._check(e) for e in self.engines if not e.restarting))
+
+    async def _check(self, e: Engine) -> None:
+        dead = e.proc is not None and e.proc.poll() is not None
+        if not dead:
+            if await self._probe(e):
+                e.failures = 0
+                if not e.healthy and e.proc is None:  # an external engine came back
+                    log.info("engine %d (%s) healthy again", e.index, e.url)
+                    e.healthy = True
+                    e.stale = self.version > 0
+                    self._notify()
+                return
+            e.failures += 1
+            if e.failures < self.cfg.health_failures:
+                return
+        self.mark_down(e, "process exited" if dead else f"{e.failures} failed health checks")
+        if e.proc is not None and self.cfg.restart and not self._closing:
+            if e.restarts >= self.cfg.max_restarts:
+                if e.restarts == self.cfg.max_restarts:
+                    log.error("engine %d: %d restarts used up; leaving it down", e.index, e.restarts)
+                    e.restarts += 1
+                return
+            e.restarting = True
+            t = asyncio.create_task(self._restart(e))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, e: Engine) -> None:
+        try:
+            if e.proc is not None:
+                await asyncio.to_thread(stop_process, e.proc, 5.0)
+            e.restarts += 1
+            log.warning("engine %d: restart %d", e.index, e.restarts)
+            self._launch(e)
+            await self._wait_healthy(e, self.cfg.startup_timeout_s)
+            e.failures = 0
+            e.stale = self.version > 0
+            e.healthy = True
+            if self.on_replaced is not None:
+                await self.on_replaced(e)
+            log.info("engine %d back on %s%s", e.index, e.url, " (stale weights: held out)" if e.stale else "")
+            self._notify()
+        except Exception as ex:  # noqa: BLE001 - logged; the monitor tries again
+            log.error("engine %d restart failed: %s", e.index, ex)
+        finally:
+            e.restarting = False
+
+    # ---- broadcast ----
+
+    async def broadcast(self, path: str, body: dict[str, Any] | None = None, *, timeout: float = 60.0,
+                        healthy_only: bool = True) -> dict[str, Any]:
+        """POST ``body`` to ``path`` on every (healthy) engine; {url: answer or error string}."""
+        targets = [e for e in self.engines if e.healthy or not healthy_only]
+
+        async def one(e: Engine) -> Any:
+            try:
+                r = await self.http.post(f"{e.url}{path}", json=body or {}, timeout=timeout)
+                try:
+                    return {"status": r.status_code, "body": r.json()}
+                except ValueError:
+                    return {"status": r.status_code, "body": r.text[:500]}
+            except httpx.HTTPError as ex:
+                return {"status": None, "error": f"{type(ex).__name__}: {ex}"}
+
+        results = await asyncio.gather(*(one(e) for e in targets))
+        return {e.url: res for e, res in zip(targets, results)}
+
+    async def stop(self) -> None:
+        """Stop watching and end the engine processes this fleet launched."""
+        self._closing = True
+        if self._monitor:
+            self._monitor.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*(asyncio.to_thread(stop_process, e.proc) for e in self.engines if e.proc))
+        await self.http.aclose()

@@ -1,0 +1,260 @@
+"""RolloutContext, routed engine calls with partial-rollout resume, and the default generator.
+
+Generator contract (DESIGN.md):
+``async def generate(ctx: RolloutContext, sample: Sample, sampling: dict) -> Sample | list[Sample]``.
+The sample's ``tokens`` hold the prompt and ``response_length`` is 0; the generator appends the
+response (tokens, response_length, loss_mask, rollout_logprobs, status). ``append_turn`` and
+``append_tokens`` below do the bookkeeping for multi-turn / tool-calling generators.
+
+Guarantees of ``ctx.generate(input_ids, sampling)``:
+- one routed SGLang ``/generate`` answer for one sequence, ``{"text", "output_ids", "meta_info":
+  {"finish_reason", "output_token_logprobs", "prompt_tokens", "completion_tokens", ...}}``;
+- it waits while the service is paused; a request aborted by ``/v1/pause {"mode":"abort"}`` keeps
+  its partial tokens and logprobs and continues after resume with the remaining token budget, so the
+  caller sees one answer (a partial rollout);
+- a request whose engine fails (connection lost, 5xx, garbage answer) is retried on another engine;
+  4xx answers and exhausted retries raise ``EngineError`` (the sample becomes ``failed``);
+- ``ctx.weight_version`` afterwards is the oldest weight version that produced any of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import httpx
+
+from shared.config import RolloutConfig
+from shared.schemas import Sample, SampleStatus
+
+if TYPE_CHECKING:
+    from rollout.fleet import Fleet
+    from rollout.router import Router
+
+GenerateFn = Callable[["RolloutContext", Sample, dict[str, Any]], Awaitable["Sample | list[Sample]"]]
+
+MAX_ATTEMPTS = 50
+
+
+class EngineError(RuntimeError):
+    """An engine call that cannot succeed (4xx, malformed answers, retries exhausted)."""
+
+
+class Gate:
+    """Pause state shared by every engine call: closed while paused; counts requests in flight."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        self.paused = False
+        self.abort_epoch = 0
+        self.in_flight = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def close(self) -> None:
+        self.paused = True
+        self._open.clear()
+
+    def open(self, version: int | None = None) -> None:
+        if version is not None:
+            self.version = version
+        self.paused = False
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+
+class EngineClient:
+    """Routed /generate calls shared by all contexts; counts produced tokens."""
+
+    def __init__(self, fleet: "Fleet", router: "Router", gate: Gate, timeout_s: float) -> None:
+        self.fleet = fleet
+        self.router = router
+        self.gate = gate
+        self.timeout_s = timeout_s
+        self.tokens_out = 0
+
+    async def _once(self, input_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError."""
+        await self.gate.wait_open()
+        engine = await self.router.pick()
+        version = self.gate.version
+        engine.in_flight += 1
+        self.gate.enter()
+        try:
+            r = await self.fleet.http.post(f"{engine.url}/generate", timeout=self.timeout_s, json={
+                "input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+        except httpx.TransportError as e:
+            if engine.index >= 0:
+                self.fleet.mark_down(engine, f"{type(e).__name__} during /generate")
+            raise
+        finally:
+            engine.in_flight -= 1
+            self.gate.leave()
+        if r.status_code >= 500:
+            raise _Retryable(f"{engine.url}/generate answered {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise EngineError(f"{engine.url}/generate answered {r.status_code}: {r.text[:500]}")
+        engine.served += 1
+        try:
+            out = r.json()
+        except ValueError:
+            raise _Retryable(f"{engine.url}/generate answered non-JSON: {r.text[:200]!r}") from None
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        return _check_answer(out, engine.url), version
+
+    async def generate(self, ctx: "RolloutContext", input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        budget = int(sampling.get("max_new_tokens", 128))
+        ids: list[int] = []
+        lps: list[float] = []
+        text = ""
+        segments = 0
+        attempts = 0
+        while True:
+            params = dict(sampling, max_new_tokens=budget - len(ids))
+            epoch = self.gate.abort_epoch
+            try:
+                out, version = await self._once(list(input_ids) + ids, params)
+            except (httpx.TransportError, httpx.TimeoutException, _Retryable) as e:
+                attempts += 1
+                if attempts >= MAX_ATTEMPTS:
+                    raise EngineError(f"/generate failed {attempts} times; last: {type(e).__name__}: {e}") from None
+                ctx.logger.info("rerouting a request after %s: %s", type(e).__name__, e)
+                await asyncio.sleep(min(2.0, 0.05 * attempts))
+                continue
+            seg_ids = out["output_ids"]
+            if seg_ids:
+                ctx.note_version(version)
+            ids += seg_ids
+            lps += [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
+            text = out.get("text") or ""
+            segments += 1
+            reason = out["meta_info"]["finish_reason"]["type"]
+            ours = self.gate.paused or self.gate.abort_epoch != epoch
+            if reason == "abort" and ours and len(ids) < budget:
+                continue  # partial rollout: wait for resume, then continue with the remaining budget
+            if reason == "abort" and ours:
+                reason = "length"
+            break
+        self.tokens_out += len(ids)
+        if segments > 1 and ctx.tokenizer is not None:
+            text = ctx.tokenizer.decode(ids)
+        meta = dict(out["meta_info"])
+        meta.update(finish_reason=dict(meta["finish_reason"], type=reason),
+                    output_token_logprobs=[[lp, t, None] for lp, t in zip(lps, ids)],
+                    prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class _Retryable(RuntimeError):
+    pass
+
+
+def _check_answer(out: Any, url: str) -> dict[str, Any]:
+    """Validate the parts of a /generate answer we rely on; garbage is retried elsewhere."""
+    try:
+        ids = out["output_ids"]
+        meta = out["meta_info"]
+        fr = meta["finish_reason"]
+        lps = meta["output_token_logprobs"]
+        if isinstance(fr, str):
+            fr = {"type": fr}
+        if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
+            raise ValueError(f"finish_reason {fr!r}")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError("output_ids is not a list of token ids")
+        if not isinstance(lps, list) or len(lps) != len(ids):
+            raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
+        for x in lps:
+            if not (isinstance(x, (list, tuple)) and x and isinstance(x[0], (int, float))
+                    and math.isfinite(x[0]) and x[0] <= 1e-6):
+                raise ValueError(f"bad output_token_logprobs entry {x!r}")
+        meta["finish_reason"] = fr
+        meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        raise _Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
+
+
+class RolloutContext:
+    """What a generator / reward / filter sees: routed ``generate``, tokenizer, config, logger.
+
+    One context per sample (its ``weight_version`` tracks that sample's engine calls); ``http`` is a
+    shared httpx client for plugins that call other services (e.g. a reward model).
+    """
+
+    def __init__(self, client: EngineClient | None, tokenizer: Any, config: RolloutConfig,
+                 logger: logging.Logger, http: httpx.AsyncClient | None = None) -> None:
+        self._client = client
+        self.tokenizer = tokenizer
+        self.config = config
+        self.logger = logger
+        self.http = http
+        self.weight_version: int | None = None
+
+    def note_version(self, version: int) -> None:
+        self.weight_version = version if self.weight_version is None else min(self.weight_version, version)
+
+    async def generate(self, input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's /generate answer for one sequence, routed to a healthy engine."""
+        if self._client is None:
+            raise RuntimeError("this context has no engine (reward / filter contexts cannot generate)")
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+            raise TypeError("ctx.generate: input_ids must be a list of ints")
+        return await self._client.generate(self, input_ids, sampling)
+
+
+# ---- helpers for generators --------------------------------------------------------------------
+
+STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed.value,
+          "abort": SampleStatus.aborted.value}
+
+
+def append_turn(sample: Sample, answer: dict[str, Any]) -> Sample:
+    """Append a /generate answer as model tokens (loss_mask 1) and set status from finish_reason."""
+    ids = answer["output_ids"]
+    lps = [float(x[0]) for x in answer["meta_info"]["output_token_logprobs"]]
+    sample.tokens = sample.tokens + ids
+    sample.loss_mask = sample.loss_mask + [1] * len(ids)
+    sample.rollout_logprobs = (sample.rollout_logprobs or []) + lps
+    sample.response_length += len(ids)
+    sample.response = (sample.response or "") + (answer.get("text") or "")
+    sample.status = STATUS[answer["meta_info"]["finish_reason"]["type"]]
+    return sample
+
+
+def append_tokens(sample: Sample, ids: list[int], text: str = "") -> Sample:
+    """Append tool / environment tokens: part of the response but not trained on (loss_mask 0)."""
+    sample.tokens = sample.tokens + list(ids)
+    sample.loss_mask = sample.loss_mask + [0] * len(ids)
+    sample.rollout_logprobs = (sample.rollout_logprobs or []) + [0.0] * len(ids)
+    sample.response_length += len(ids)
+    sample.response = (sample.response or "") + text
+    return sample
+
+
+async def single_turn(ctx: RolloutContext, sample: Sample, sampling: dict[str, Any]) -> Sample:
+    """The default generator: one /generate call on the prompt tokens."""
+    return append_turn(sample, await ctx.generate(sample.tokens, sampling))

@@ -1,0 +1,284 @@
+"""The generation loop: prompt -> n samples (generator) -> rewards -> filter -> buffer.
+
+Guarantees:
+- Group ids are ``<run_id>-e<epoch>-g<position>`` and uids ``<group_id>-<index>``: a prompt slot
+  regenerated after a crash or a lost answer carries the same ids, so the buffer deduplicates it.
+- A data slot is marked done (and the cursor persisted) only after its group reached the buffer,
+  was filtered out, or failed entirely; slots in flight at a crash are drawn again after restart.
+- A plugin that raises, returns the wrong type or breaks a Sample invariant yields a ``failed``
+  sample (reward null, reason in ``metadata["error"]``); the loop keeps running.
+- Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
+  context tracks it across partial-rollout resumes and multi-turn calls).
+- Continuous mode admits a new group only while buffer (queued + leased) + groups in flight here
+  < (max_staleness + 1) x groups_per_step. on_demand mode generates only inside ``generate_batch``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from rollout.data import DataSource, PromptItem
+from rollout.filters import FilterFn, apply_filter
+from rollout.generate import EngineClient, GenerateFn, RolloutContext
+from rollout.pusher import Pusher
+from rollout.rewards import RewardFn, score_sample
+from shared.client import AsyncBufferClient
+from shared.config import HeadraceConfig
+from shared.schemas import Group, Sample, SampleStatus
+
+log = logging.getLogger("headrace.rollout")
+
+
+def failed(sample: Sample, why: str) -> Sample:
+    """The prompt-only sample marked failed with the reason."""
+    return Sample(uid=sample.uid, group_id=sample.group_id, index=sample.index, tokens=sample.tokens[: sample.prompt_length],
+                  status=SampleStatus.failed, weight_version=sample.weight_version, prompt=sample.prompt,
+                  label=sample.label, metadata={**sample.metadata, "error": why})
+
+
+class RolloutLoop:
+    """Produces groups into the buffer; owns counters reported by /v1/status."""
+
+    def __init__(self, cfg: HeadraceConfig, data: DataSource, engine: EngineClient, tokenizer: Any,
+                 generate_fn: GenerateFn, reward_fn: RewardFn, filter_fn: FilterFn | None,
+                 buffer: AsyncBufferClient, run_id: str, http: Any) -> None:
+        self.cfg = cfg
+        self.rc = cfg.rollout
+        self.data = data
+        self.engine = engine
+        self.gate = engine.gate
+        self.tokenizer = tokenizer
+        self.generate_fn = generate_fn
+        self.reward_fn = reward_fn
+        self.filter_fn = filter_fn
+        self.buffer = buffer
+        self.run_id = run_id
+        self.http = http
+        self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s)
+        self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
+        self.logger = logging.getLogger("headrace.rollout.plugin")
+        self.groups_in_flight = 0
+        self.backlog = 0  # buffer queued + leased, from /v1/stats (plus what we pushed since)
+        self.counts = {"groups_pushed": 0, "groups_duplicate": 0, "groups_filtered": 0, "groups_failed": 0,
+                       "groups_rejected": 0, "samples": 0, "samples_failed": 0, "filter_errors": 0}
+        self.started = time.monotonic()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._wake = asyncio.Event()
+        self._batch_lock = asyncio.Lock()
+
+    # ---- one group ----
+
+    def _ctx(self, with_engine: bool = True) -> RolloutContext:
+        return RolloutContext(self.engine if with_engine else None, self.tokenizer, self.rc, self.logger, self.http)
+
+    def _prompt_ids(self, item: PromptItem) -> tuple[list[int], str]:
+        p = item.prompt
+        if isinstance(p, list) or self.rc.data.apply_chat_template:
+            msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
+        return list(self.tokenizer(p)["input_ids"]), p
+
+    async def _sample(self, base: Sample, sampling: dict[str, Any]) -> list[Sample]:
+        ctx = self._ctx()
+        async with self.samples_sem:
+            try:
+                out = await self.generate_fn(ctx, base.model_copy(deep=True), dict(sampling))
+                outs = out if isinstance(out, list) else [out]
+                if not outs or not all(isinstance(s, Sample) for s in outs):
+                    raise TypeError(f"generator must return a Sample or a list of Samples, got {_typename(out)}")
+                outs = [Sample.model_validate(s.model_dump()) for s in outs]  # re-check invariants
+            except ValidationError as e:
+                return [failed(base, f"generator produced an invalid sample: {_short(e)}")]
+            except Exception as e:  # noqa: BLE001 - a generator fault fails the sample only
+                self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
+                return [failed(base, f"generate: {type(e).__name__}: {e}")]
+        version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+        for s in outs:
+            s.weight_version = version
+            if s.status != SampleStatus.failed.value:
+                await score_sample(self.reward_fn, ctx, s, self.rc.reward_timeout_s)
+        return outs
+
+    async def produce(self, item: PromptItem, sampling: dict[str, Any] | None = None) -> Group | None:
+        """Generate and score one group for ``item`` (None when every sample failed)."""
+        gid = f"{self.run_id}-{item.key}"
+        n = self.rc.n_samples_per_prompt
+        proto = dict(group_id=gid, label=item.label, metadata=dict(item.metadata), weight_version=self.gate.version)
+        try:
+            ids, text = self._prompt_ids(item)
+            why = None
+            if self.rc.max_prompt_length and len(ids) > self.rc.max_prompt_length:
+                why = f"prompt has {len(ids)} tokens > rollout.max_prompt_length {self.rc.max_prompt_length}"
+        except Exception as e:  # noqa: BLE001 - a bad prompt fails its group only
+            ids, text, why = [], str(item.prompt)[:2000], f"tokenizing the prompt: {type(e).__name__}: {e}"
+        bases = [Sample(uid=f"{gid}-{i}", index=i, tokens=ids, prompt=text, **proto) for i in range(n)]
+        if why:
+            samples = [failed(b, why) for b in bases]
+        else:
+            params = sampling or self.rc.sampling.to_sglang()
+            lists = await asyncio.gather(*(self._sample(b, params) for b in bases))
+            samples = [s for lst in lists for s in lst]
+        for i, s in enumerate(samples):  # generators may return several samples: renumber
+            s.index, s.uid, s.group_id = i, f"{gid}-{i}", gid
+        self.counts["samples"] += len(samples)
+        self.counts["samples_failed"] += sum(s.status == SampleStatus.failed.value for s in samples)
+        if all(s.status == SampleStatus.failed.value for s in samples):
+            log.warning("group %s: every sample failed (%s)", gid, samples[0].metadata.get("error"))
+            return None
+        return Group(group_id=gid, samples=samples, metadata={"epoch": item.epoch, "position": item.position})
+
+    async def _run_slot(self, item: PromptItem) -> bool:
+        """Produce, filter and push one slot; True when a group reached the buffer as new."""
+        self.groups_in_flight += 1
+        try:
+            group = await self.produce(item)
+            if group is None:
+                self.counts["groups_failed"] += 1
+                self.data.mark_done(item)
+                return False
+            keep, err = apply_filter(self.filter_fn, self._ctx(False), group)
+            if err:
+                self.counts["filter_errors"] += 1
+                group.metadata["filter_error"] = err
+            if not keep:
+                self.counts["groups_filtered"] += 1
+                self.data.mark_done(item)
+                return False
+            outcome = await self.pusher.push(group)
+            self.data.mark_done(item)
+            key = {"accepted": "groups_pushed", "duplicate": "groups_duplicate", "rejected": "groups_rejected"}[outcome]
+            self.counts[key] += 1
+            if outcome == "accepted":
+                self.backlog += 1
+            return outcome != "rejected"
+        finally:
+            self.groups_in_flight -= 1
+            self._wake.set()
+
+    def _spawn(self, item: PromptItem) -> asyncio.Task[bool]:
+        t = asyncio.create_task(self._run_slot(item))
+        self._tasks.add(t)
+        t.add_done_callback(self._done)
+        return t
+
+    def _done(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            log.error("group task crashed: %r", t.exception(), exc_info=t.exception())
+
+    # ---- modes ----
+
+    @property
+    def admission_cap(self) -> int:
+        return (self.cfg.buffer.max_staleness + 1) * self.rc.groups_per_step
+
+    async def poll_stats(self) -> None:
+        """Keep ``backlog`` = buffer queued + leased (continuous mode's admission input)."""
+        while True:
+            try:
+                st = await self.buffer.stats()
+                self.backlog = st.queued + st.leased
+                self._wake.set()
+            except Exception as e:  # noqa: BLE001 - buffer down: keep the last figure
+                log.debug("buffer stats unavailable: %s", e)
+            await asyncio.sleep(self.rc.stats_interval_s)
+
+    async def continuous(self) -> None:
+        """Generate ahead while the admission rule allows; pause stops admitting."""
+        while True:
+            await self.gate.wait_open()
+            if self.backlog + self.groups_in_flight >= self.admission_cap:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.rc.stats_interval_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            item = self.data.next()
+            if item is None:
+                log.info("data exhausted after %s epochs; generation stops", self.rc.data.epochs)
+                return
+            self._spawn(item)
+            await asyncio.sleep(0)
+
+    async def generate_batch(self, n: int) -> dict[str, Any]:
+        """on_demand: return once ``n`` new groups passed the filter and are in the buffer
+        (or the data / over-sampling budget ran out: ``n * max_oversample`` prompts)."""
+        async with self._batch_lock:
+            t0 = time.monotonic()
+            pushed = drawn = 0
+            limit = n * self.rc.max_oversample
+            running: set[asyncio.Task[bool]] = set()
+            exhausted = False
+            while pushed < n:
+                while not exhausted and len(running) + pushed < n and drawn < limit:
+                    item = self.data.next()
+                    if item is None:
+                        exhausted = True
+                        break
+                    running.add(self._spawn(item))
+                    drawn += 1
+                if not running:
+                    break
+                done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                pushed += sum(1 for t in done if not t.cancelled() and t.exception() is None and t.result())
+            return {"groups": pushed, "requested": n, "prompts_drawn": drawn, "complete": pushed >= n,
+                    "data_exhausted": exhausted, "seconds": round(time.monotonic() - t0, 3)}
+
+    async def evaluate(self, limit: int | None = None) -> dict[str, Any]:
+        """One greedy (eval_sampling) sample per held-out prompt, scored; nothing is pushed."""
+        from rollout.data import load_items
+
+        items = load_items(self.rc.data, eval=True)[: limit or None]
+        if not items:
+            raise ValueError("no evaluation prompts: set rollout.data.eval_path or use a data.task")
+        sampling = self.rc.eval_sampling.to_sglang()
+
+        async def one(i: int, triple: tuple[Any, Any, dict[str, Any]]) -> Sample:
+            item = PromptItem(position=i, epoch=0, prompt=triple[0], label=triple[1], metadata=triple[2])
+            ids, text = self._prompt_ids(item)
+            base = Sample(uid=f"eval-{i}", group_id=f"eval-{i}", tokens=ids, prompt=text, label=item.label)
+            return (await self._sample(base, sampling))[0]
+
+        samples = await asyncio.gather(*(one(i, t) for i, t in enumerate(items)))
+        rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
+        return {"n": len(samples), "mean_reward": sum(rewards) / len(rewards),
+                "pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
+                "failed": sum(s.status == SampleStatus.failed.value for s in samples),
+                "weight_version": min((s.weight_version for s in samples), default=self.gate.version)}
+
+    def start(self) -> None:
+        self.pusher.start()
+        for coro in ([self.poll_stats(), self.continuous()] if self.rc.mode == "continuous" else []):
+            t = asyncio.create_task(coro)
+            self._tasks.add(t)
+            t.add_done_callback(self._done)
+
+    async def stop(self) -> None:
+        await self.pusher.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _typename(x: Any) -> str:
+    if isinstance(x, list):
+        return "list of " + ", ".join(sorted({type(v).__name__ for v in x}) or {"nothing"})
+    return type(x).__name__
+
+
+def _short(e: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, er['loc'])) or 'sample'}: {er['msg']}" for er in e.errors()[:3])
+
+
+def check_generator(fn: Any, spec: str) -> None:
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.generate {spec!r}: must be an async function "
+                         "(async def generate(ctx, sample, sampling) -> Sample | list[Sample])")

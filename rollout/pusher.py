@@ -1,0 +1,124 @@
+"""Pushes finished groups to the buffer: batched, retried until the buffer answers, idempotent.
+
+Guarantees:
+- A group handed to ``push`` is resolved only when the buffer answered 200 for it (accepted or
+  duplicate), or 422/413 for that group alone (rejected: it can never be stored; logged).
+- While the buffer is down or full (connection errors, 5xx, 429) the pusher waits with capped
+  backoff and retries for ever; nothing is dropped. Because group ids and uids are deterministic,
+  a retry of a POST whose answer was lost is counted as a duplicate by the buffer, never stored twice.
+- Groups are sent in batches of up to ``push_batch``; a batch refused as invalid or too large is
+  split so that only the offending group is rejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.client import AsyncBufferClient, BufferError
+from shared.schemas import Group
+
+log = logging.getLogger("headrace.rollout.push")
+
+Outcome = Literal["accepted", "duplicate", "rejected"]
+
+
+@dataclass
+class PushStats:
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    retries: int = 0
+    buffer_up: bool = True
+
+
+class Pusher:
+    """One background task draining a queue of groups into the buffer."""
+
+    def __init__(self, client: AsyncBufferClient, batch: int, retry_max_s: float) -> None:
+        self.client = client
+        self.batch = batch
+        self.retry_max_s = retry_max_s
+        self.stats = PushStats()
+        self._queue: asyncio.Queue[tuple[Group, asyncio.Future[Outcome]]] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self, flush_s: float = 5.0) -> None:
+        """Give queued groups ``flush_s`` to reach the buffer, then stop (unpushed groups are
+        regenerated after a restart: their data slots were not marked done)."""
+        deadline = asyncio.get_running_loop().time() + flush_s
+        while self._queue.qsize() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._task:
+            self._task.cancel()
+
+    async def push(self, group: Group) -> Outcome:
+        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        await self._queue.put((group, fut))
+        return await fut
+
+    async def _run(self) -> None:
+        while True:
+            items = [await self._queue.get()]
+            while len(items) < self.batch and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            await self._send(items)
+
+    async def _send(self, items: list[tuple[Group, asyncio.Future[Outcome]]]) -> None:
+        delay = 0.1
+        while True:
+            try:
+                r = await self.client.post_groups([g for g, _ in items])
+            except BufferError as e:
+                if e.status in (413, 422):
+                    if len(items) > 1:
+                        half = len(items) // 2
+                        await self._send(items[:half])
+                        await self._send(items[half:])
+                        return
+                    g, fut = items[0]
+                    log.error("buffer refused group %s (%d): %s", g.group_id, e.status, e.message)
+                    self.stats.rejected += 1
+                    _resolve(fut, "rejected")
+                    return
+                if e.status in (401, 403, 404):
+                    log.error("buffer answered %d (%s); check buffer.url / buffer.token; retrying", e.status, e.message)
+                self.stats.retries += 1
+                if self.stats.buffer_up:
+                    log.warning("buffer unavailable (%s); holding %d groups and retrying", e, len(items))
+                self.stats.buffer_up = False
+                await asyncio.sleep(delay)
+                delay = min(self.retry_max_s, delay * 2)
+                continue
+            except Exception as e:  # noqa: BLE001 - any transport oddity: retry, never drop
+                self.stats.retries += 1
+                self.stats.buffer_up = False
+                log.warning("push failed (%s: %s); retrying", type(e).__name__, e)
+                await asyncio.sleep(delay)
+                delay = min(self.retry_max_s, delay * 2)
+                continue
+            if not self.stats.buffer_up:
+                log.info("buffer reachable again")
+            self.stats.buffer_up = True
+            # The answer counts duplicates but does not name them; per-group outcomes are only
+            # distinguishable when the whole batch was one or the other.
+            self.stats.accepted += r.accepted
+            self.stats.duplicates += r.duplicates
+            each: Outcome = "duplicate" if r.accepted == 0 else "accepted"
+            for _, fut in items:
+                _resolve(fut, each)
+            return
+
+
+def _resolve(fut: asyncio.Future[Outcome], outcome: Outcome) -> None:
+    if not fut.done():
+        fut.set_result(outcome)

@@ -1,0 +1,241 @@
+"""The rollout service's HTTP app (DESIGN.md "Rollout service", control API).
+
+Endpoints: GET /health, GET /v1/status, GET /v1/engines, POST /v1/pause, POST /v1/resume,
+POST /v1/generate_batch, POST /v1/release_memory, POST /v1/resume_memory, POST /v1/evaluate.
+
+Guarantees:
+- Plugins (generate / reward / filter) are loaded from the config at start-up; a bad path or a
+  non-async generator stops start-up with one message naming the key. Nothing in a request can
+  name code to load.
+- ``/v1/pause`` returns only when no engine request is in flight. ``abort`` pauses the engines
+  (``/pause_generation {"mode":"abort"}``, repeated ``/abort_request {"abort_all":true}`` until
+  idle); the aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of
+  their budget. ``drain`` lets running requests finish and admits no new ones.
+- ``/v1/resume {"weight_version": v}`` marks v as the engines' weights (engines restarted meanwhile
+  rejoin routing), continues the engines and tags every later token with v.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Literal
+
+import httpx
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.data import DataSource
+from rollout.filters import load_filter
+from rollout.fleet import Fleet, free_port
+from rollout.generate import EngineClient, Gate, single_turn
+from rollout.loop import RolloutLoop, check_generator
+from rollout.rewards import load_reward
+from rollout.router import LeastInFlight, SGLangRouter
+from shared.client import AsyncBufferClient
+from shared.config import HeadraceConfig
+from shared.plugins import load_plugin
+
+log = logging.getLogger("headrace.rollout")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PauseRequest(_Body):
+    mode: Literal["abort", "drain"] = "abort"
+    timeout_s: float = Field(default=600.0, gt=0, description="give up (504) after this long")
+
+
+class ResumeRequest(_Body):
+    weight_version: int | None = Field(default=None, ge=0, description="version of the engines' weights now")
+
+
+class BatchRequest(_Body):
+    groups: int = Field(ge=1, le=1_000_000)
+    weight_version: int | None = Field(default=None, ge=0)
+
+
+class MemoryRequest(_Body):
+    tags: list[str] | None = None
+
+
+class EvalRequest(_Body):
+    limit: int | None = Field(default=None, ge=1)
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from shared.modelzoo import load_tokenizer as _load
+
+    return _load(model_dir)
+
+
+class RolloutService:
+    """Wires data, fleet, router, plugins and the loop together; owns start / stop."""
+
+    def __init__(self, cfg: HeadraceConfig) -> None:
+        rc = cfg.rollout
+        self.cfg = cfg
+        self.generate_fn = load_plugin(rc.generate, what="rollout.generate") if rc.generate else single_turn
+        if rc.generate:
+            check_generator(self.generate_fn, rc.generate)
+        self.reward_fn = load_reward(rc.reward)
+        self.filter_fn = load_filter(rc.filter)
+        self.state_path = cfg.resolved_path(rc.state_path, "rollout_state.json")
+        self.data = DataSource(rc.data, self.state_path)
+        self.run_id = rc.run_id or "r" + hashlib.sha1(str(self.state_path.resolve()).encode()).hexdigest()[:8]
+        self.log_dir = Path(cfg.run.out) / "logs"
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.fleet = Fleet(rc.engines, cfg.model, self.log_dir)
+        self.gate = Gate()
+        self.started = time.time()
+
+    async def start(self) -> None:
+        rc = self.cfg.rollout
+        await self.fleet.start()
+        if rc.router == "sglang":
+            self.router: LeastInFlight | SGLangRouter = SGLangRouter(
+                self.fleet, rc.engines.python, rc.engines.router_port or free_port(), self.log_dir)
+            self.fleet.on_replaced = self.router.engine_replaced
+        else:
+            self.router = LeastInFlight(self.fleet)
+        try:
+            await self.router.start()
+        except BaseException:
+            await self.fleet.stop()
+            raise
+        self.engine = EngineClient(self.fleet, self.router, self.gate, rc.engines.request_timeout_s)
+        self.http = httpx.AsyncClient(timeout=rc.reward_timeout_s)
+        self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.buffer.token, retries=1, timeout=30.0)
+        self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
+                                self.reward_fn, self.filter_fn, self.buffer, self.run_id, self.http)
+        self.loop.start()
+        log.info("rollout service up: %d engines, mode %s, run id %s, data at %s", len(self.fleet.engines),
+                 rc.mode, self.run_id, self.data.state())
+
+    async def stop(self) -> None:
+        if hasattr(self, "loop"):
+            await self.loop.stop()
+            await self.buffer.close()
+            await self.http.aclose()
+        if hasattr(self, "router"):
+            await self.router.stop()
+        await self.fleet.stop()
+
+    # ---- control ----
+
+    async def pause(self, req: PauseRequest) -> dict[str, Any]:
+        t0 = time.monotonic()
+        self.gate.close()
+        if req.mode == "abort":
+            self.gate.abort_epoch += 1
+            await self.fleet.broadcast("/pause_generation", {"mode": "abort"}, timeout=30.0)
+            while not await self.gate.wait_idle(1.0):
+                if time.monotonic() - t0 > req.timeout_s:
+                    raise HTTPException(504, f"{self.gate.in_flight} requests still in flight after {req.timeout_s} s")
+                await self.fleet.broadcast("/abort_request", {"abort_all": True}, timeout=10.0)
+        elif not await self.gate.wait_idle(req.timeout_s):
+            raise HTTPException(504, f"{self.gate.in_flight} requests still in flight after {req.timeout_s} s")
+        return {"paused": True, "mode": req.mode, "in_flight": self.gate.in_flight,
+                "seconds": round(time.monotonic() - t0, 3)}
+
+    async def resume(self, req: ResumeRequest) -> dict[str, Any]:
+        v = self.gate.version if req.weight_version is None else req.weight_version
+        self.fleet.set_version(v)
+        results = await self.fleet.broadcast("/continue_generation", {}, timeout=30.0)
+        self.gate.open(v)
+        bad = {u: r for u, r in results.items() if r.get("status") not in (200, 404)}
+        return {"paused": False, "weight_version": v, "engine_errors": bad}
+
+    async def memory(self, path: str, req: MemoryRequest) -> dict[str, Any]:
+        if self.gate.in_flight:
+            raise HTTPException(409, f"{self.gate.in_flight} requests in flight: POST /v1/pause first")
+        results = await self.fleet.broadcast(path, {"tags": req.tags}, timeout=300.0)
+        bad = {u: r for u, r in results.items() if r.get("status") != 200}
+        if bad:
+            raise HTTPException(502, {"message": f"{path} failed on {len(bad)} engine(s)", "engines": bad})
+        return {"ok": True, "engines": len(results)}
+
+    def status(self) -> dict[str, Any]:
+        up = time.time() - self.started
+        loop = self.loop
+        return {
+            "weight_version": self.gate.version, "paused": self.gate.paused, "mode": self.cfg.rollout.mode,
+            "run_id": self.run_id, "engines": [e.status() for e in self.fleet.engines],
+            "in_flight": self.gate.in_flight, "groups_in_flight": loop.groups_in_flight,
+            "produced": loop.counts["groups_pushed"], "counts": loop.counts,
+            "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},
+            "buffer_backlog": loop.backlog, "admission_cap": loop.admission_cap,
+            "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),
+            "uptime_s": round(up, 1), "data": self.data.state(),
+        }
+
+
+def create_app(cfg: HeadraceConfig) -> FastAPI:
+    """The FastAPI app; plugins and data load here (errors surface before serving)."""
+    svc = RolloutService(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await svc.start()
+        try:
+            yield
+        finally:
+            await svc.stop()
+
+    app = FastAPI(title="headrace rollout", lifespan=lifespan)
+    app.state.service = svc
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "weight_version": svc.gate.version, "paused": svc.gate.paused,
+                "engines_healthy": len(svc.fleet.routable())}
+
+    @app.get("/v1/status")
+    async def status() -> dict[str, Any]:
+        return svc.status()
+
+    @app.get("/v1/engines")
+    async def engines() -> list[dict[str, Any]]:
+        return [{"url": e.url, "world_size": e.world_size} for e in svc.fleet.engines]
+
+    @app.post("/v1/pause")
+    async def pause(req: PauseRequest) -> dict[str, Any]:
+        return await svc.pause(req)
+
+    @app.post("/v1/resume")
+    async def resume(req: ResumeRequest) -> dict[str, Any]:
+        return await svc.resume(req)
+
+    @app.post("/v1/generate_batch")
+    async def generate_batch(req: BatchRequest) -> dict[str, Any]:
+        if cfg.rollout.mode != "on_demand":
+            raise HTTPException(409, "generate_batch needs rollout.mode: on_demand (this service is continuous)")
+        if req.weight_version is not None:
+            svc.fleet.set_version(req.weight_version)
+            svc.gate.version = req.weight_version
+        if svc.gate.paused:
+            raise HTTPException(409, "the service is paused: POST /v1/resume first")
+        return await svc.loop.generate_batch(req.groups)
+
+    @app.post("/v1/release_memory")
+    async def release_memory(req: MemoryRequest) -> dict[str, Any]:
+        return await svc.memory("/release_memory_occupation", req)
+
+    @app.post("/v1/resume_memory")
+    async def resume_memory(req: MemoryRequest) -> dict[str, Any]:
+        return await svc.memory("/resume_memory_occupation", req)
+
+    @app.post("/v1/evaluate")
+    async def evaluate(req: EvalRequest) -> dict[str, Any]:
+        try:
+            return await svc.loop.evaluate(req.limit)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+
+    return app
