@@ -41,7 +41,7 @@ class Sample(_Wire):
     index: int = Field(default=0, ge=0, description="position in its group")
     tokens: list[int] = Field(description="prompt + response token ids, each in [0, vocab)")
     response_length: int = Field(default=0, ge=0, description="<= len(tokens)")
-    loss_mask: list[int] = Field(default_factory=list, description="len == response_length; 0/1 (0 = tool/env tokens)")
+    loss_mask: list[int] = Field(default_factory=list, validate_default=True, description="len == response_length; 0/1 (0 = tool/env tokens)")
     rollout_logprobs: list[float] | None = Field(default=None, description="len == response_length; finite, <= 0")
     reward: float | None = Field(default=None, description="finite; null only when status is failed")
     status: SampleStatus = Field(default=SampleStatus.completed)
@@ -61,33 +61,45 @@ class Sample(_Wire):
             raise ValueError(f"token id {max(v)} is outside the vocabulary [0, {vocab})")
         return v
 
+    # Length invariants are checked on the later field (fields validate in declaration order), so
+    # a 422 names it: "groups[3].samples[1].loss_mask: len(loss_mask) (3) != response_length (4)".
+
+    @field_validator("response_length")
+    @classmethod
+    def _response_within_tokens(cls, v: int, info: ValidationInfo) -> int:
+        tokens = info.data.get("tokens")
+        if tokens is not None and v > len(tokens):
+            raise ValueError(f"response_length ({v}) exceeds len(tokens) ({len(tokens)})")
+        return v
+
     @field_validator("loss_mask")
     @classmethod
-    def _mask_binary(cls, v: list[int]) -> list[int]:
+    def _mask_binary(cls, v: list[int], info: ValidationInfo) -> list[int]:
         if v and not set(v) <= {0, 1}:
             raise ValueError("loss_mask values must be 0 or 1")
+        n = info.data.get("response_length")
+        if n is not None and len(v) != n:
+            raise ValueError(f"len(loss_mask) ({len(v)}) != response_length ({n})")
         return v
 
     @field_validator("rollout_logprobs")
     @classmethod
-    def _logprobs_nonpositive(cls, v: list[float] | None) -> list[float] | None:
+    def _logprobs_nonpositive(cls, v: list[float] | None, info: ValidationInfo) -> list[float] | None:
+        if v is None:
+            return v
         if v and max(v) > 0.0:
             raise ValueError(f"rollout_logprobs must be <= 0 (found {max(v)})")
+        n = info.data.get("response_length")
+        if n is not None and len(v) != n:
+            raise ValueError(f"len(rollout_logprobs) ({len(v)}) != response_length ({n})")
         return v
 
     @model_validator(mode="after")
-    def _lengths(self) -> "Sample":
-        n = self.response_length
-        if n > len(self.tokens):
-            raise ValueError(f"response_length ({n}) exceeds len(tokens) ({len(self.tokens)})")
-        if len(self.loss_mask) != n:
-            raise ValueError(f"len(loss_mask) ({len(self.loss_mask)}) != response_length ({n})")
-        if self.rollout_logprobs is not None and len(self.rollout_logprobs) != n:
-            raise ValueError(f"len(rollout_logprobs) ({len(self.rollout_logprobs)}) != response_length ({n})")
+    def _reward(self) -> "Sample":
         if self.reward is None and self.status != SampleStatus.failed.value:
-            raise ValueError("reward may be null only when status is 'failed'")
+            raise ValueError("reward: may be null only when status is 'failed'")
         if self.reward is not None and not math.isfinite(self.reward):  # allow_inf_nan guards JSON; be explicit
-            raise ValueError("reward must be finite")
+            raise ValueError("reward: must be finite")
         return self
 
     @property
@@ -105,12 +117,16 @@ class Group(_Wire):
     @model_validator(mode="after")
     def _consistent(self) -> "Group":
         seen: set[int] = set()
+        uids: set[str] = set()
         for i, s in enumerate(self.samples):
             if s.group_id != self.group_id:
                 raise ValueError(f"samples[{i}].group_id {s.group_id!r} != group_id {self.group_id!r}")
             if s.index in seen:
                 raise ValueError(f"samples[{i}].index {s.index} is repeated within the group")
+            if s.uid in uids:
+                raise ValueError(f"samples[{i}].uid {s.uid!r} is repeated within the group")
             seen.add(s.index)
+            uids.add(s.uid)
         return self
 
     @property
@@ -126,8 +142,9 @@ class PostGroupsRequest(_Wire):
 
 
 class PostGroupsResponse(_Wire):
-    accepted: int = Field(ge=0)
-    duplicates: int = Field(ge=0)
+    accepted: int = Field(ge=0, description="groups newly queued")
+    duplicates: int = Field(ge=0, description="groups whose group_id or a uid was seen before; not stored")
+    evicted_stale: int = Field(default=0, ge=0, description="new groups already too stale: recorded, not queued")
 
 
 class LeaseRequest(_Wire):

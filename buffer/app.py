@@ -1,0 +1,287 @@
+"""The buffer HTTP service (FastAPI): the API of DESIGN.md "Buffer service HTTP API".
+
+Guarantees:
+- POST /v1/groups answers 200 only after the store committed the request (see store.py for what
+  "committed" survives); 422 / 413 / 429 store nothing.
+- Every SQLite call runs on one dedicated thread, and decoding + validation of large bodies on a
+  worker thread, so the event loop keeps answering (health, stats, other leases) meanwhile.
+  A lease with ``wait_s`` waits on an asyncio condition, never on a thread.
+- Leases past their ``expires_at`` go back to the queue lazily (on every lease/ack/release) and
+  from a background task, so a waiting lease sees them promptly.
+- With a token, every endpoint but /health and /metrics needs ``Authorization: Bearer <token>``.
+- Answers are msgpack when the request's Accept asks for it, JSON otherwise; errors are
+  ``{"detail": message}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, AsyncIterator, Callable, TypeVar
+
+import msgpack
+from fastapi import FastAPI, Request
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from buffer.ingest import parse_groups
+from buffer.metrics import CONTENT_TYPE, BufferMetrics
+from buffer.policy import BufferFull, LeaseConflict, LeaseNotFound
+from buffer.store import Lease, Store
+from shared import wire
+from shared.config import BufferConfig
+from shared.schemas import LeaseRequest, PolicyVersionRequest
+
+T = TypeVar("T")
+_OPEN_PATHS = {"/health", "/metrics"}
+_EXPIRY_TICK_S = 0.5
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BufferService:
+    """Owns the store, its thread, the lease waiters and the metrics of one buffer."""
+
+    def __init__(self, cfg: BufferConfig) -> None:
+        self.cfg = cfg
+        self.max_body = int(cfg.max_body_mb * 1024 * 1024)
+        self.db_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-db")
+        self.store: Store | None = None
+        self.metrics = BufferMetrics(self.stats)
+        self.changed = asyncio.Condition()
+        self.generation = 0  # bumped whenever groups may have become leasable
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.db_thread, partial(fn, *args))
+
+    async def start(self) -> None:
+        path = None if self.cfg.memory else (self.cfg.db or "buffer.sqlite")
+        self.store = await self.db(Store, path, self.cfg.capacity, self.cfg.max_staleness)
+
+    async def stop(self) -> None:
+        if self.store is not None:
+            await self.db(self.store.close)
+        self.db_thread.shutdown(wait=True)
+
+    def stats(self) -> dict[str, int]:
+        assert self.store is not None, "stats before start"
+        return self.store.stats()
+
+    async def notify(self) -> None:
+        self.generation += 1
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def expiry_loop(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(_EXPIRY_TICK_S)
+            nxt = self.store.next_expiry()
+            if nxt is not None and nxt < time.time() and await self.db(self.store.expire) > 0:
+                await self.notify()
+
+    async def read_body(self, request: Request) -> bytes:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise _BodyTooLarge()
+        chunks = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise _BodyTooLarge()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _error(request: Request, status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return wire.respond({"detail": message}, request.headers.get("accept"), status, headers)
+
+
+def _lease_answer(lease: Lease, accept: str | None) -> Response:
+    """Splice the stored msgpack blobs straight into a msgpack answer; decode them only for JSON."""
+    if wire.is_msgpack(accept):
+        p = msgpack.Packer(use_bin_type=True)
+        parts = [p.pack_map_header(3), p.pack("lease_id"), p.pack(lease.lease_id), p.pack("groups"),
+                 p.pack_array_header(len(lease.blobs)), *lease.blobs, p.pack("expires_at"), p.pack(lease.expires_at)]
+        return Response(b"".join(parts), media_type=wire.MSGPACK)
+    groups = [msgpack.unpackb(b, raw=False) for b in lease.blobs]
+    body = wire.dumps_json({"lease_id": lease.lease_id, "groups": groups, "expires_at": lease.expires_at})
+    return Response(body, media_type=wire.JSON)
+
+
+def _decode_model(model: Any, body: bytes, content_type: str | None) -> Any:
+    try:
+        return model.model_validate(wire.decode_body(body, content_type))
+    except ValidationError as e:
+        raise wire.WireError(wire.format_validation_error(e)) from None
+
+
+def create_app(cfg: BufferConfig) -> FastAPI:
+    """The buffer's ASGI app; the store opens in its lifespan."""
+    svc = BufferService(cfg)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await svc.start()
+        task = asyncio.create_task(svc.expiry_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await svc.stop()
+
+    app = FastAPI(title="Headrace buffer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = svc
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return wire.respond({"status": "ok"}, request.headers.get("accept"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/groups")
+    async def post_groups(request: Request) -> Response:
+        store = svc.store
+        assert store is not None
+        try:
+            body = await svc.read_body(request)
+        except _BodyTooLarge:
+            store.count("rejected")
+            return _error(request, 413, f"request body exceeds --max-body-mb {cfg.max_body_mb:g} MiB")
+        try:
+            rows = await run_in_threadpool(parse_groups, body, request.headers.get("content-type"))
+        except wire.WireError as e:
+            store.count("rejected", getattr(e, "groups", 1))
+            return _error(request, e.status, e.message)
+        try:
+            res = await svc.db(store.post, rows)
+        except BufferFull as e:
+            return _error(request, 429, str(e), {"Retry-After": str(e.retry_after_s)})
+        svc.metrics.ingest_bytes.inc(len(body))
+        if res.accepted:
+            await svc.notify()
+        return wire.respond({"accepted": res.accepted, "duplicates": res.duplicates,
+                             "evicted_stale": res.evicted_stale}, request.headers.get("accept"))
+
+    @app.post("/v1/leases")
+    async def lease(request: Request) -> Response:
+        store = svc.store
+        assert store is not None
+        try:
+            req = _decode_model(LeaseRequest, await svc.read_body(request), request.headers.get("content-type"))
+        except wire.WireError as e:
+            return _error(request, e.status, e.message)
+        except _BodyTooLarge:
+            return _error(request, 413, "request body too large")
+        deadline = time.monotonic() + req.wait_s
+        while True:
+            generation = svc.generation
+            got = await svc.db(store.lease, req.groups, req.lease_s, req.min_weight_version)
+            if got is not None:
+                return await run_in_threadpool(_lease_answer, got, request.headers.get("accept"))
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Response(status_code=204)
+            async with svc.changed:
+                if svc.generation != generation:
+                    continue  # something changed while we were looking: look again
+                try:
+                    await asyncio.wait_for(svc.changed.wait(), min(remaining, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def settle(request: Request, lease_id: str, action: str) -> Response:
+        store = svc.store
+        assert store is not None
+        fn = store.ack if action == "ack" else store.release
+        try:
+            n = await svc.db(fn, lease_id)
+        except LeaseNotFound as e:
+            return _error(request, 404, str(e))
+        except LeaseConflict as e:
+            return _error(request, 409, str(e))
+        if action == "release" and n:
+            await svc.notify()
+        return wire.respond({"lease_id": lease_id, "groups": n}, request.headers.get("accept"))
+
+    @app.post("/v1/leases/{lease_id}/ack")
+    async def ack(request: Request, lease_id: str) -> Response:
+        return await settle(request, lease_id, "ack")
+
+    @app.post("/v1/leases/{lease_id}/release")
+    async def release(request: Request, lease_id: str) -> Response:
+        return await settle(request, lease_id, "release")
+
+    @app.put("/v1/policy_version")
+    async def policy_version(request: Request) -> Response:
+        store = svc.store
+        assert store is not None
+        try:
+            req = _decode_model(PolicyVersionRequest, await svc.read_body(request), request.headers.get("content-type"))
+        except wire.WireError as e:
+            return _error(request, e.status, e.message)
+        except _BodyTooLarge:
+            return _error(request, 413, "request body too large")
+        evicted = await svc.db(store.set_policy_version, req.version)
+        return wire.respond({"policy_version": req.version, "evicted": evicted}, request.headers.get("accept"))
+
+    @app.get("/v1/stats")
+    async def stats(request: Request) -> Response:
+        return wire.respond(svc.stats(), request.headers.get("accept"))
+
+    return _Edge(app, svc, cfg.token)  # type: ignore[return-value]
+
+
+class _Edge:
+    """Pure ASGI wrapper: bearer-token check and the latency histogram, around every request."""
+
+    def __init__(self, app: FastAPI, svc: BufferService, token: str | None) -> None:
+        self.app = app
+        self.svc = svc
+        self.expected = f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = [500]
+
+        async def send_status(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        if self.expected is not None and scope["path"] not in _OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(auth, self.expected):
+                await Response(b'{"detail":"missing or wrong bearer token"}', 401, media_type=wire.JSON,
+                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_status)
+                self._observe(scope, "unauthorized", status[0], t0)
+                return
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self._observe(scope, route, status[0], t0)
+
+    def _observe(self, scope: dict[str, Any], route: str, status: int, t0: float) -> None:
+        self.svc.metrics.latency.labels(scope["method"], route, str(status)).observe(time.perf_counter() - t0)
+
+
+def serve(cfg: BufferConfig, log_level: str = "warning") -> None:
+    """Run the buffer in this process until SIGINT/SIGTERM (then the store closes cleanly)."""
+    import uvicorn
+
+    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=5)
