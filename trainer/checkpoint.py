@@ -1,0 +1,144 @@
+"""Checkpoint and resume of a TP x DP trainer, and HF export of the current policy.
+
+Layout under ``checkpoint_dir``::
+
+    step_00000012/
+        meta.json          step, policy_version, data positions (groups/samples consumed), tp, dp
+        model_tp0.pt       this TP shard's model state_dict, optimizer and scheduler state
+        rng_rank0.pt       torch / python / numpy RNG states of global rank 0 (one per rank)
+    latest                 the name of the newest complete checkpoint
+
+Guarantees:
+- A checkpoint is complete or absent: ranks write into ``step_N.tmp`` and rank 0 renames it to
+  ``step_N`` after a barrier, then rewrites ``latest`` atomically (write + rename). A crash while
+  saving leaves the previous checkpoint as ``latest``.
+- Model and optimizer shards are written once per TP rank (by DP rank 0; DP replicas are equal).
+- ``load_checkpoint`` restores model, optimizer, scheduler, step, policy version, data positions and
+  every RNG, so the next step computes the same loss, bit for bit, as an uninterrupted run on the
+  same batch. Resuming with a different TP or DP size is refused with a clear error.
+- Every function here is a collective over all ranks (call it on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.step import TrainerState
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, Any]:
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(st: TrainerState, checkpoint_dir: str | Path, keep: int = 2) -> Path:
+    """Save everything needed to resume; returns the checkpoint directory. Collective."""
+    root = Path(checkpoint_dir)
+    info = st.info
+    final = root / step_dir_name(st.step)
+    tmp = root / (final.name + ".tmp")
+    if info.rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    if info.dp_rank == 0:
+        torch.save({"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
+                    "scheduler": st.scheduler.state_dict()}, tmp / f"model_tp{info.tp_rank}.pt")
+    torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
+    _barrier()
+    if info.rank == 0:
+        meta = {"step": st.step, "policy_version": st.policy_version, "groups_consumed": st.groups_consumed,
+                "samples_consumed": st.samples_consumed, "tp": info.tp, "dp": info.dp, "extra": st.extra}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+        if keep > 0:
+            old = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+            for p in old[:-keep]:
+                shutil.rmtree(p, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``checkpoint_dir``, or None."""
+    root = Path(checkpoint_dir)
+    marker = root / "latest"
+    if not marker.is_file():
+        return None
+    path = root / marker.read_text().strip()
+    return path if (path / "meta.json").is_file() else None
+
+
+def load_checkpoint(st: TrainerState, path: str | Path) -> dict[str, Any]:
+    """Restore ``st`` in place from the checkpoint at ``path``; returns its meta. Collective."""
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint (no meta.json)")
+    meta = json.loads(meta_file.read_text())
+    info = st.info
+    if (meta["tp"], meta["dp"]) != (info.tp, info.dp):
+        raise ValueError(f"checkpoint {path} was written at tp={meta['tp']} dp={meta['dp']}; this trainer runs "
+                         f"tp={info.tp} dp={info.dp} (export to HF and start from that to change the layout)")
+    blob = torch.load(path / f"model_tp{info.tp_rank}.pt", map_location="cpu", weights_only=False)
+    st.model.load_state_dict(blob["model"])
+    st.optimizer.load_state_dict(blob["optimizer"])
+    st.scheduler.load_state_dict(blob["scheduler"])
+    rng_file = path / f"rng_rank{info.rank}.pt"
+    if rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    st.step = int(meta["step"])
+    st.policy_version = int(meta["policy_version"])
+    st.groups_consumed = int(meta["groups_consumed"])
+    st.samples_consumed = int(meta["samples_consumed"])
+    st.extra = dict(meta.get("extra") or {})
+    _barrier()
+    return meta
+
+
+def export_hf(st: TrainerState, out_dir: str | Path, source_dir: str | Path) -> Path:
+    """Write the current policy as a Hugging Face directory (config + tokenizer from ``source_dir``).
+
+    Collective over all ranks; DP rank 0's TP group gathers and writes, other DP ranks wait.
+    """
+    from trainer.hf_io import save_hf
+
+    out = Path(out_dir)
+    if st.info.dp_rank == 0:
+        save_hf(st.model, out, source_dir)
+    _barrier()
+    return out

@@ -1,0 +1,263 @@
+"""The ``headrace train`` loop, run on every trainer rank; rank 0 drives.
+
+Per step::
+
+    hook.before_lease -> lease N groups (rank 0) -> validate -> broadcast -> train_step (all ranks)
+    -> policy_version += 1 -> PUT /v1/policy_version -> hook.after_update (weight sync) -> ack -> metrics
+
+Why rank 0 leases for everyone and broadcasts the batch (instead of each DP rank leasing its share):
+one lease per step means one ack or one release — a step is consumed or returned whole, never
+half; validation happens once, so every rank agrees whether a batch is bad and nobody blocks in a
+collective; and advantages and loss normalisers need the whole batch's rewards and token counts,
+which every rank then has without extra communication. The batch is token ids and a few floats per
+token: broadcasting it costs little next to a training step. ``trainer.batch`` then gives each DP
+rank a token-balanced share.
+
+Guarantees:
+- A bad batch (``BadBatchError``: token outside the vocabulary, prompts that differ within a
+  group, non-finite reward, no trainable token, ...) is released, not acked; the error names the
+  group; model, optimizer and counters are exactly as before the lease (a checkpoint of that state
+  is written when ``checkpoint_dir`` is set) and the loop stops with the error.
+- Any failure during a step releases the lease on rank 0 before the error propagates.
+- Train-only mode (no rollout URL): the loop trains on what the buffer holds and stops cleanly when
+  fewer than ``groups_per_step`` groups arrive within ``lease_wait_s``. With a rollout URL it waits.
+- Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version).
+
+``WeightSyncHook`` is where weight sync to the engines plugs in (the default does nothing);
+configure one with ``trainer.weight_sync_hook: module:function`` — a factory called on every rank
+as ``factory(config, info, rollout_url) -> WeightSyncHook``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from shared.config import HeadraceConfig
+from trainer.batch import BadBatchError, TrainBatch, build_batch
+from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from trainer.metrics import MetricsWriter
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.step import TrainerState, train_step
+
+log = logging.getLogger("headrace.trainer")
+
+
+class WeightSyncHook(Protocol):
+    """Called on every rank; implementations decide which ranks talk to the rollout service."""
+
+    def before_lease(self, st: TrainerState) -> None:
+        """Before each lease (on-demand mode: ask the rollout to generate the next batch)."""
+
+    def after_update(self, st: TrainerState, version: int) -> None:
+        """After the optimizer step and the policy-version PUT, before the ack (pause, sync, resume)."""
+
+    def close(self) -> None:
+        """At the end of training (also after an error)."""
+
+
+class NoWeightSync:
+    """The default hook: nothing to sync (train-only mode, or engines that load checkpoints)."""
+
+    def before_lease(self, st: TrainerState) -> None:
+        pass
+
+    def after_update(self, st: TrainerState, version: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class Leased:
+    lease_id: str | None
+    batch: TrainBatch
+    weight_version: int
+    wait_s: float
+
+
+class LeaseSource:
+    """Rank 0 leases and validates; every rank gets the same ``Leased``, None (stop) or the error."""
+
+    def __init__(self, cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None, rank: int,
+                 vocab_size: int, max_seq_len: int) -> None:
+        self.cfg, self.rank, self.train_only = cfg, rank, rollout_url is None
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.client = None
+        if rank == 0:
+            from shared.client import BufferClient
+
+            self.client = BufferClient(buffer_url, token=cfg.buffer.token)
+
+    def _lease_rank0(self) -> dict[str, Any]:
+        n = self.cfg.rollout.groups_per_step
+        t0 = time.perf_counter()
+        while True:
+            lease = self.client.lease(n, wait_s=self.cfg.trainer.lease_wait_s, lease_s=self.cfg.buffer.lease_s)
+            if lease is not None:
+                break
+            if self.train_only:
+                return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
+                                                  f"within {self.cfg.trainer.lease_wait_s}s"}
+            log.info("waiting for %d groups in the buffer", n)
+        wait = time.perf_counter() - t0
+        try:
+            batch = build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        except BadBatchError as e:
+            self.client.release(lease.lease_id)
+            return {"kind": "error", "group_id": e.group_id, "problem": e.problem, "lease_id": lease.lease_id}
+        wv = min(g.weight_version for g in lease.groups)
+        return {"kind": "batch", "leased": Leased(lease.lease_id, batch, wv, wait)}
+
+    def next(self) -> Leased | None:
+        """The next batch on every rank; raises ``BadBatchError`` on every rank for a bad one."""
+        msg = [self._lease_rank0() if self.rank == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(msg, src=0)
+        m = msg[0]
+        if m["kind"] == "stop":
+            log.info(m["reason"])
+            return None
+        if m["kind"] == "error":
+            raise BadBatchError(m["group_id"], m["problem"] + f" (lease {m['lease_id']} released, not acked)")
+        return m["leased"]
+
+    def finish(self, leased: Leased, ok: bool) -> None:
+        """Ack (``ok``) or release the lease; rank 0 only."""
+        if self.client is None or leased.lease_id is None:
+            return
+        (self.client.ack if ok else self.client.release)(leased.lease_id)
+
+    def set_policy_version(self, v: int) -> None:
+        if self.client is not None:
+            self.client.set_policy_version(v)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
+    """Model (+ frozen reference when kl_coef > 0), optimizer and schedule for this rank."""
+    from trainer.model import load_model
+
+    t = cfg.trainer
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    np.random.seed(t.seed)
+    model = load_model(cfg.model, info, dtype=_dtype(t.dtype))
+    ref = None
+    if t.kl_coef > 0:
+        ref = load_model(cfg.model, info, dtype=_dtype(t.dtype))
+        ref.requires_grad_(False)
+        ref.eval()
+    opt = build_optimizer(model, t)
+    temp = cfg.rollout.sampling.temperature
+    return TrainerState(model=model, optimizer=opt, scheduler=build_scheduler(opt, t), cfg=t, info=info,
+                        ref_model=ref, temperature=temp if temp > 0 else 1.0)
+
+
+def _make_hook(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> WeightSyncHook:
+    spec = cfg.trainer.weight_sync_hook
+    if not spec:
+        return NoWeightSync()
+    from shared.plugins import load_plugin
+
+    return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
+
+
+def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None = None,
+                 hook: WeightSyncHook | None = None) -> dict[str, Any]:
+    """Train on this rank until ``trainer.steps`` (or the buffer runs dry in train-only mode).
+
+    Expects the torchrun-style environment (``trainer.launch.spawn`` sets it). Returns a summary
+    (steps done, policy version, last metrics) on every rank.
+    """
+    from trainer.parallel import destroy_distributed, init_distributed
+
+    t = cfg.trainer
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    info = init_distributed(t.tp, t.dp)
+    try:
+        st = build_state(cfg, info)
+        ckpt_dir = cfg.resolved_path(t.checkpoint_dir, "ckpt")
+        latest = latest_checkpoint(ckpt_dir)
+        if latest is not None:
+            load_checkpoint(st, latest)
+            log.info("resumed from %s (step %d, policy version %d)", latest, st.step, st.policy_version)
+        arch = st.model.arch
+        source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size, arch.max_position_embeddings)
+        out = Path(cfg.run.out)
+        writer = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None) \
+            if info.rank == 0 else None
+        hook = hook or _make_hook(cfg, info, rollout_url)
+        last: dict[str, Any] = {}
+        saved_at = st.step
+        try:
+            source.set_policy_version(st.policy_version)
+            while st.step < t.steps:
+                t0 = time.perf_counter()
+                hook.before_lease(st)
+                try:
+                    leased = source.next()
+                except BadBatchError:
+                    if st.step > saved_at:
+                        save_checkpoint(st, ckpt_dir)
+                    raise
+                if leased is None:
+                    break
+                try:
+                    metrics = train_step(st, leased.batch)
+                    st.policy_version += 1
+                    st.groups_consumed += leased.batch.num_groups
+                    st.samples_consumed += len(leased.batch.samples)
+                    source.set_policy_version(st.policy_version)
+                    hook.after_update(st, st.policy_version)
+                except BaseException:
+                    source.finish(leased, ok=False)
+                    raise
+                source.finish(leased, ok=True)
+                dt = time.perf_counter() - t0
+                last = {**metrics, "policy_version": st.policy_version, "lease_wait_s": leased.wait_s,
+                        "staleness": st.policy_version - 1 - leased.weight_version,
+                        "samples_per_s": len(leased.batch.samples) / dt if dt > 0 else 0.0, "iteration_s": dt}
+                if writer is not None:
+                    writer.log(last)
+                if t.save_every and st.step % t.save_every == 0:
+                    save_checkpoint(st, ckpt_dir)
+                    saved_at = st.step
+            if st.step > saved_at:
+                save_checkpoint(st, ckpt_dir)
+            if t.export_hf:
+                export_hf(st, cfg.resolved_path(t.export_hf_dir, "hf"), cfg.model)
+        finally:
+            hook.close()
+            source.close()
+            if writer is not None:
+                writer.close()
+        return {"rank": info.rank, "step": st.step, "policy_version": st.policy_version,
+                "groups_consumed": st.groups_consumed, "last": last}
+    finally:
+        destroy_distributed()
+
+
+def run_training_from_dict(cfg_dict: dict[str, Any], buffer_url: str, rollout_url: str | None) -> dict[str, Any]:
+    """Picklable entry point for ``trainer.launch.spawn`` (the config travels as a plain dict)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
+    return run_training(HeadraceConfig.model_validate(cfg_dict), buffer_url, rollout_url)
