@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
@@ -12,6 +14,29 @@ def serve(
     model: str = typer.Option(..., help="HF model directory"),
     host: str = typer.Option("127.0.0.1", help="interface to bind"),
     port: int = typer.Option(30000, min=0, max=65535, help="TCP port"),
+    dtype: str = typer.Option("auto", help="auto (= float32 on CPU) | float32 | bfloat16 | float16"),
+    threads: Optional[int] = typer.Option(None, min=1, max=512, help="torch intra-op threads (default: torch's)"),
+    seed: int = typer.Option(0, min=0, help="seed of the sampler for requests without sampling_seed"),
+    max_running_requests: int = typer.Option(256, min=1, max=65536, help="sequences decoded together at most"),
+    max_prefill_tokens: int = typer.Option(8192, min=16, help="padded tokens per batched prefill at most"),
+    weight_version: str = typer.Option("default", help="initial weight_version (SGLang's default is 'default')"),
+    logprob_mode: str = typer.Option(
+        "temperature", help="reported logprobs: temperature (SGLang's default: log softmax(logits/T)), "
+                            "original (pre-temperature), processed (after top-k/top-p, renormalised)"),
+    weight_sync_timeout: float = typer.Option(600.0, min=1.0, help="seconds for joining the weight-sync group"),
+    log_level: str = typer.Option("warning", help="uvicorn log level"),
 ) -> None:
     """Serve the reference engine (SGLang 0.5.23 HTTP API subset)."""
-    raise typer.Exit("headrace engine serve: not implemented yet")
+    from pathlib import Path
+
+    if not (Path(model) / "config.json").is_file():
+        raise typer.BadParameter(f"{model} is not a Hugging Face model directory (no config.json)", param_hint="--model")
+    if logprob_mode not in ("temperature", "original", "processed"):
+        raise typer.BadParameter("must be temperature, original or processed", param_hint="--logprob-mode")
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise typer.BadParameter("must be auto, float32, bfloat16 or float16", param_hint="--dtype")
+    from rollout.engine.server import serve as run
+
+    run(model, host=host, port=port, threads=threads, log_level=log_level, dtype=dtype, seed=seed,
+        max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
+        weight_version=weight_version, logprob_mode=logprob_mode, weight_sync_timeout_s=weight_sync_timeout)
