@@ -1,1 +1,36 @@
-"""trainer/model package."""
+"""The trainer's tensor-parallel model: build a ``TPDecoder`` from a Hugging Face directory.
+
+Public API (the RL code and tools build on these names):
+
+- ``load_model(model_dir, info, dtype)``: each TP rank reads only its shards from safetensors.
+- ``TPDecoder``: ``forward`` (local logits shard), ``token_logprobs`` (vocab-parallel logprobs and
+  entropy, differentiable), ``hf_state_dict`` (TP-gathered HF tensors on TP rank 0).
+- ``vocab_parallel_logprobs``: the logprob/entropy function on its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shared.hf_arch import ArchConfig
+from trainer.model.decoder import TPDecoder
+from trainer.model.logprobs import vocab_parallel_logprobs
+from trainer.parallel import ParallelInfo
+
+__all__ = ["load_model", "TPDecoder", "vocab_parallel_logprobs"]
+
+
+def load_model(model_dir: str | Path, info: ParallelInfo, dtype: torch.dtype = torch.float32) -> TPDecoder:
+    """Build the decoder of ``model_dir`` (config.json + safetensors) sharded for ``info``.
+
+    Raises FileNotFoundError / ValueError / KeyError naming the missing file, the unsupported
+    setting or the missing / misshapen tensor.
+    """
+    from trainer.model.loading import load_shards
+
+    arch = ArchConfig.from_model_dir(model_dir)
+    model = TPDecoder(arch, info, dtype)
+    load_shards(model, model_dir)
+    return model.to(info.device)

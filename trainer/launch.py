@@ -1,0 +1,108 @@
+"""Run a function in N fresh processes that form one torch.distributed job (like torchrun).
+
+``spawn(fn, n, *args)`` starts n processes with the "spawn" start method (no fork of a parent that
+may hold torch thread pools or sockets), sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT (a port free on loopback) and the thread limits before torch is imported in the child,
+calls ``fn(*args)`` and returns each rank's return value in rank order.
+
+Guarantees: if any rank raises, ``spawn`` raises ``RuntimeError`` carrying that rank's traceback
+and ends the other ranks it started (by their process handles); a rank that dies without a result
+(killed, segfault) or a job that runs past ``timeout_s`` is an error too. Nothing is left running.
+``fn`` and ``args`` must be picklable (module-level functions). Importing this module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, env: dict[str, str], payload: bytes, results: Any) -> None:
+    os.environ.update(env)
+    os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        fn, args = pickle.loads(payload)  # imports fn's module (and torch) only now
+        try:
+            import torch
+
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        except ImportError:
+            pass
+        value = fn(*args)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        # A failed rank must not leave the others blocked in a collective forever: the parent
+        # ends them once it sees this rank's error.
+        results.close()
+        results.join_thread()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
+          threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` in ``world_size`` processes; return their results in rank order."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    payload = pickle.dumps((fn, args))
+    child_env = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                 "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(r, child_env, payload, results), daemon=False)
+             for r in range(world_size)]
+    out: dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world_size:
+            try:
+                rank, ok, data = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead:
+                    # give a message that is in flight a moment to arrive
+                    try:
+                        rank, ok, data = results.get(timeout=2.0)
+                    except queue.Empty:
+                        r = dead[0]
+                        raise RuntimeError(f"rank {r} of {world_size} exited with code {procs[r].exitcode} "
+                                           f"without a result (running {getattr(fn, '__qualname__', fn)})") from None
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in out]
+                    raise TimeoutError(f"ranks {missing} of {world_size} did not finish within {timeout_s}s "
+                                       f"(running {getattr(fn, '__qualname__', fn)})")
+                else:
+                    continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{data}")
+            out[rank] = pickle.loads(data)
+        for p in procs:
+            p.join(30)
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results.close()

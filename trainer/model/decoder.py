@@ -1,0 +1,219 @@
+"""The trainer's tensor-parallel decoder for the Qwen2 / Qwen3 / Llama families.
+
+Built from megatron-core's tensor-parallel layers (``VocabParallelEmbedding``,
+``ColumnParallelLinear``, ``RowParallelLinear``) with an explicit TP group, so one code path runs
+gloo on CPU and NCCL on GPU. megatron's weight initialisation (which needs its CUDA RNG tracker) is
+skipped: every parameter is filled from a Hugging Face checkpoint by ``trainer.model.loading``.
+Numerics (RMSNorm, rotary embeddings) come from ``shared.hf_arch``, the same functions the
+inference engine uses.
+
+Layout per layer, per TP rank (Megatron's): q/k/v projections fused into one column-parallel
+linear whose local output is [q heads of this rank | k heads | v heads]; gate/up fused likewise as
+[gate slice | up slice]; o_proj and down_proj row-parallel (one all-reduce each in forward). The
+vocabulary is padded to a multiple of TP and sharded over ranks; ``forward`` returns this rank's
+logits without the padding columns.
+
+Inputs are one packed token stream: ``input_ids`` [T], ``position_ids`` [T] and ``cu_seqlens``
+[S+1] (sequence boundaries, cu_seqlens[0] == 0, cu_seqlens[-1] == T). Attention is causal inside
+each sequence and never crosses a boundary.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from trainer.model.logprobs import vocab_parallel_logprobs
+from trainer.parallel import ParallelInfo
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+def _no_init(_: torch.Tensor) -> None:
+    """Weights come from the checkpoint; megatron's initialisers are never called."""
+
+
+def check_tp_compatible(arch: ArchConfig, tp: int) -> None:
+    """Raise ValueError when ``arch`` cannot be split ``tp`` ways (heads, kv heads, MLP width)."""
+    problems = [f"{name}={val}" for name, val in (("num_attention_heads", arch.num_heads),
+                                                  ("num_key_value_heads", arch.num_kv_heads),
+                                                  ("intermediate_size", arch.intermediate_size)) if val % tp]
+    if problems:
+        raise ValueError(f"tensor-parallel size {tp} must divide {', '.join(problems)}")
+    act = arch.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
+
+
+class RMSNorm(torch.nn.Module):
+    """HF RMSNorm (replicated on every TP rank)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(torch.nn.Module):
+    """GQA self-attention with RoPE, optional qkv bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, arch: ArchConfig, cfg: ModelParallelConfig, group: Any) -> None:
+        super().__init__()
+        tp = group.size()
+        self.head_dim = arch.head_dim
+        self.n_heads, self.n_kv = arch.num_heads // tp, arch.num_kv_heads // tp
+        out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+        self.qkv = ColumnParallelLinear(arch.hidden_size, out, config=cfg, init_method=_no_init,
+                                        bias=arch.qkv_bias, gather_output=False, tp_group=group)
+        self.o = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, config=cfg,
+                                   init_method=_no_init, bias=arch.o_bias, input_is_parallel=True,
+                                   skip_bias_add=False, tp_group=group)
+        if arch.qk_norm:
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        T, hd = x.shape[0], self.head_dim
+        qkv, _ = self.qkv(x)
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+        q, k, v = q.view(T, self.n_heads, hd), k.view(T, self.n_kv, hd), v.view(T, self.n_kv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [T, heads, hd] -> [heads, T, hd]; one causal SDPA call per packed sequence
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        gqa = self.n_heads != self.n_kv
+        outs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, enable_gqa=gqa)
+                for a, b in zip(bounds[:-1], bounds[1:])]
+        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        out, _ = self.o(attn.transpose(0, 1).reshape(T, self.n_heads * hd))
+        return out
+
+
+class MLP(torch.nn.Module):
+    """SwiGLU MLP: column-parallel [gate | up], row-parallel down."""
+
+    def __init__(self, arch: ArchConfig, cfg: ModelParallelConfig, group: Any) -> None:
+        super().__init__()
+        self.local = arch.intermediate_size // group.size()
+        self.gate_up = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size, config=cfg,
+                                            init_method=_no_init, bias=arch.mlp_bias, gather_output=False,
+                                            tp_group=group)
+        self.down = RowParallelLinear(arch.intermediate_size, arch.hidden_size, config=cfg, init_method=_no_init,
+                                      bias=arch.mlp_bias, input_is_parallel=True, skip_bias_add=False,
+                                      tp_group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu, _ = self.gate_up(x)
+        gate, up = gu.split(self.local, dim=-1)
+        out, _ = self.down(F.silu(gate) * up)
+        return out
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, arch: ArchConfig, cfg: ModelParallelConfig, group: Any) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, cfg.params_dtype)
+        self.attn = Attention(arch, cfg, group)
+        self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, cfg.params_dtype)
+        self.mlp = MLP(arch, cfg, group)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, bounds)
+        return x + self.mlp(self.post_norm(x))
+
+
+class TPDecoder(torch.nn.Module):
+    """Tensor-parallel causal LM; each TP rank holds its shard. Build with ``load_model``."""
+
+    def __init__(self, arch: ArchConfig, info: ParallelInfo, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        check_tp_compatible(arch, info.tp)
+        self.arch, self.info, self.dtype = arch, info, dtype
+        group = info.tp_group
+        if group.size() != info.tp:
+            raise ValueError(f"tp group has {group.size()} ranks but info.tp={info.tp}")
+        cfg = ModelParallelConfig(tensor_model_parallel_size=info.tp, use_cpu_initialization=True,
+                                  perform_initialization=False, params_dtype=dtype)
+        tp = info.tp
+        self.padded_vocab = -(-arch.vocab_size // tp) * tp
+        self.vocab_local = self.padded_vocab // tp
+        self.vocab_start = info.tp_rank * self.vocab_local
+        # columns of the local logits that are real tokens (the tail of the last shard is padding)
+        self.vocab_valid = max(0, min(arch.vocab_size - self.vocab_start, self.vocab_local))
+        self.embed = VocabParallelEmbedding(self.padded_vocab, arch.hidden_size, init_method=_no_init,
+                                            config=cfg, tp_group=group)
+        self.layers = torch.nn.ModuleList(DecoderLayer(arch, cfg, group) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        # tied: megatron's way, a column-parallel head without its own weight, fed the embedding's
+        self.tied = arch.tie_word_embeddings
+        self.lm_head = ColumnParallelLinear(arch.hidden_size, self.padded_vocab, config=cfg, init_method=_no_init,
+                                            bias=False, gather_output=False, tp_group=group,
+                                            skip_weight_param_allocation=self.tied)
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    # ------------------------------------------------------------------ forward
+    def _check_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> list[int]:
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"input_ids and position_ids must both be [T]; got {tuple(input_ids.shape)} "
+                             f"and {tuple(position_ids.shape)}")
+        T = input_ids.shape[0]
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != T or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens must rise strictly from 0 to T={T}; got {bounds[:8]}{'...' if len(bounds) > 8 else ''}")
+        if T:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.arch.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.arch.vocab_size})")
+        return bounds
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Local logits shard [T, V_local] (this rank's vocabulary slice, padding columns dropped)."""
+        bounds = self._check_inputs(input_ids, position_ids, cu_seqlens)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, bounds)
+        x = self.norm(x)
+        logits, _ = self.lm_head(x, weight=self.embed.weight if self.tied else None)
+        return logits[:, : self.vocab_valid] if self.vocab_valid < self.vocab_local else logits
+
+    def token_logprobs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                       target_ids: torch.Tensor, *, temperature: float = 1.0,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log p(target_ids[i] | tokens up to i) [T] and optionally the entropy [T]; differentiable.
+
+        A collective over the TP group. ``target_ids`` are global token ids (usually the input shifted
+        by one inside each sequence; the value at a sequence's last position is the caller's choice
+        and its logprob should be masked).
+        """
+        if target_ids.shape != input_ids.shape:
+            raise ValueError(f"target_ids {tuple(target_ids.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        if target_ids.numel():
+            lo, hi = int(target_ids.min()), int(target_ids.max())
+            if lo < 0 or hi >= self.arch.vocab_size:
+                raise ValueError(f"target id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.arch.vocab_size})")
+        logits = self.forward(input_ids, position_ids, cu_seqlens)
+        return vocab_parallel_logprobs(logits, target_ids, vocab_start=self.vocab_start, group=self.info.tp_group,
+                                       temperature=temperature, with_entropy=with_entropy)
+
+    # ------------------------------------------------------------------ export
+    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors with HF names, gathered over TP; yields on TP rank 0 only. A collective."""
+        from trainer.model.loading import gather_hf_tensors
+
+        yield from gather_hf_tensors(self)

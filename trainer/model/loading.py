@@ -1,0 +1,183 @@
+"""Mapping between the TP decoder's sharded parameters and Hugging Face tensors, both directions.
+
+Every parameter of ``TPDecoder`` has a ``Spec``: the HF tensors it is made of and how they are split
+over TP ranks:
+
+- ``rep``: replicated (norms, row-parallel biases); every rank holds the full tensor.
+- ``rows``: split along dim 0 into TP equal slices; several HF tensors (q/k/v, gate/up) are fused
+  by concatenating each one's slice for this rank, in order.
+- ``cols``: split along dim 1 (row-parallel weights: o_proj, down_proj).
+- ``vocab``: rows of the vocabulary, padded with zero rows up to a multiple of TP.
+
+Loading reads only this rank's slices (``safe_open(...).get_slice``), so no rank ever holds the
+full checkpoint. Export gathers the slices to TP rank 0 and undoes the fusing and padding, which
+makes load -> export bit-identical for tensors in the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from trainer.model.decoder import TPDecoder
+
+
+@dataclass(frozen=True)
+class Spec:
+    parts: tuple[str, ...]      # HF names, concatenated in this order (rows mode) or a single one
+    mode: str                   # rep | rows | cols | vocab
+
+
+def param_specs(model: "TPDecoder") -> dict[str, Spec]:
+    """Spec of every parameter of ``model`` (our name -> Spec)."""
+    specs: dict[str, Spec] = {"embed.weight": Spec(("model.embed_tokens.weight",), "vocab"),
+                              "norm.weight": Spec(("model.norm.weight",), "rep")}
+    if not model.tied:
+        specs["lm_head.weight"] = Spec(("lm_head.weight",), "vocab")
+    for i, layer in enumerate(model.layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        att, mlp = hf + "self_attn.", hf + "mlp."
+        specs[ours + "input_norm.weight"] = Spec((hf + "input_layernorm.weight",), "rep")
+        specs[ours + "post_norm.weight"] = Spec((hf + "post_attention_layernorm.weight",), "rep")
+        specs[ours + "attn.qkv.weight"] = Spec(tuple(att + f"{x}_proj.weight" for x in "qkv"), "rows")
+        if layer.attn.qkv.bias is not None:
+            specs[ours + "attn.qkv.bias"] = Spec(tuple(att + f"{x}_proj.bias" for x in "qkv"), "rows")
+        specs[ours + "attn.o.weight"] = Spec((att + "o_proj.weight",), "cols")
+        if layer.attn.o.bias is not None:
+            specs[ours + "attn.o.bias"] = Spec((att + "o_proj.bias",), "rep")
+        if layer.attn.q_norm is not None:
+            specs[ours + "attn.q_norm.weight"] = Spec((att + "q_norm.weight",), "rep")
+            specs[ours + "attn.k_norm.weight"] = Spec((att + "k_norm.weight",), "rep")
+        specs[ours + "mlp.gate_up.weight"] = Spec((mlp + "gate_proj.weight", mlp + "up_proj.weight"), "rows")
+        if layer.mlp.gate_up.bias is not None:
+            specs[ours + "mlp.gate_up.bias"] = Spec((mlp + "gate_proj.bias", mlp + "up_proj.bias"), "rows")
+        specs[ours + "mlp.down.weight"] = Spec((mlp + "down_proj.weight",), "cols")
+        if layer.mlp.down.bias is not None:
+            specs[ours + "mlp.down.bias"] = Spec((mlp + "down_proj.bias",), "rep")
+    names = {n for n, _ in model.named_parameters()}
+    assert names == set(specs), f"parameters without a spec: {names ^ set(specs)}"
+    return specs
+
+
+def full_shapes(model: "TPDecoder") -> dict[str, tuple[int, ...]]:
+    """The HF shape each HF tensor must have for ``model.arch``."""
+    a = model.arch
+    h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (a.vocab_size, h), "model.norm.weight": (h,),
+                                          "lm_head.weight": (a.vocab_size, h)}
+    for i in range(a.num_layers):
+        p = f"model.layers.{i}."
+        rows = {"q": a.num_heads * hd, "k": a.num_kv_heads * hd, "v": a.num_kv_heads * hd}
+        for x, n in rows.items():
+            shapes[p + f"self_attn.{x}_proj.weight"] = (n, h)
+            shapes[p + f"self_attn.{x}_proj.bias"] = (n,)
+        shapes.update({p + "self_attn.o_proj.weight": (h, a.num_heads * hd), p + "self_attn.o_proj.bias": (h,),
+                       p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                       p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter), p + "mlp.gate_proj.bias": (inter,),
+                       p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
+    return shapes
+
+
+def checkpoint_index(model_dir: str | Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: d / fname for name, fname in weight_map.items()}
+    single = d / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{d} has neither model.safetensors nor model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+class _Reader:
+    """Open safetensors files lazily, once each; read slices of named tensors."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.index = checkpoint_index(model_dir)
+        self.dir = Path(model_dir)
+        self._open: dict[Path, Any] = {}
+
+    def slice(self, name: str, shape: tuple[int, ...]) -> Any:
+        from safetensors import safe_open
+
+        if name not in self.index:
+            raise KeyError(f"tensor {name} is missing from the checkpoint in {self.dir}")
+        path = self.index[name]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        sl = self._open[path].get_slice(name)
+        got = tuple(sl.get_shape())
+        if got != shape:
+            raise ValueError(f"tensor {name} in {path.name} has shape {got}, expected {shape} from config.json")
+        return sl
+
+
+@torch.no_grad()
+def load_shards(model: "TPDecoder", model_dir: str | Path) -> None:
+    """Fill every parameter of ``model`` with this rank's slice of the checkpoint."""
+    reader, shapes = _Reader(model_dir), full_shapes(model)
+    tp, r = model.info.tp, model.info.tp_rank
+    params = dict(model.named_parameters())
+    for ours, spec in param_specs(model).items():
+        param = params[ours]
+        if spec.mode == "rep":
+            local = reader.slice(spec.parts[0], shapes[spec.parts[0]])[:]
+        elif spec.mode == "cols":
+            n = shapes[spec.parts[0]][1] // tp
+            local = reader.slice(spec.parts[0], shapes[spec.parts[0]])[:, r * n:(r + 1) * n]
+        elif spec.mode == "rows":
+            pieces = []
+            for part in spec.parts:
+                n = shapes[part][0] // tp
+                pieces.append(reader.slice(part, shapes[part])[r * n:(r + 1) * n])
+            local = torch.cat(pieces, dim=0)
+        else:  # vocab
+            start, stop = model.vocab_start, min(model.vocab_start + model.vocab_local, model.arch.vocab_size)
+            local = torch.zeros(param.shape, dtype=param.dtype)
+            if stop > start:
+                local[: stop - start] = reader.slice(spec.parts[0], shapes[spec.parts[0]])[start:stop].to(param.dtype)
+        if tuple(local.shape) != tuple(param.shape):
+            raise ValueError(f"{spec.parts} gave a local shard of shape {tuple(local.shape)} for {ours}, "
+                             f"expected {tuple(param.shape)}")
+        param.copy_(local.to(param.dtype))
+
+
+@torch.no_grad()
+def gather_hf_tensors(model: "TPDecoder") -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) pairs, layer by layer; yields on TP rank 0 only. A collective."""
+    info, shapes = model.info, full_shapes(model)
+    tp, leader = info.tp, info.tp_rank == 0
+    params = dict(model.named_parameters())
+    for ours, spec in param_specs(model).items():
+        local = params[ours].detach().contiguous()
+        if spec.mode == "rep" or tp == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(tp)] if leader else None
+            dist.gather(local, shards, group=info.tp_group, group_dst=0)
+        if not leader:
+            continue
+        if spec.mode == "rep":
+            yield spec.parts[0], local.cpu()
+        elif spec.mode == "cols":
+            yield spec.parts[0], torch.cat(shards, dim=1).cpu()
+        elif spec.mode == "vocab":
+            yield spec.parts[0], torch.cat(shards, dim=0)[: model.arch.vocab_size].cpu()
+        else:
+            sizes = [shapes[p][0] // tp for p in spec.parts]
+            per_rank = [s.split(sizes, dim=0) for s in shards]
+            for j, part in enumerate(spec.parts):
+                yield part, torch.cat([pieces[j] for pieces in per_rank], dim=0).cpu()
