@@ -25,6 +25,7 @@ def serve(
 
     logging.basicConfig(level=os.environ.get("HEADRACE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url})
         import uvicorn

@@ -119,7 +119,7 @@ class Fleet:
         b = self.cfg.backend
         if b == "reference":
             cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", self.model,
-                   "--host", "127.0.0.1", "--port", str(port)]
+                   "--host", "127.0.0.1", "--port", str(port), "--threads", str(self.cfg.threads or 1)]
         elif b == "sglang":
             if not self.cfg.python:
                 raise ValueError("rollout.engines.python: backend sglang needs the python of the SGLang venv")

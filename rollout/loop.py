@@ -35,6 +35,25 @@ from shared.schemas import Group, Sample, SampleStatus
 log = logging.getLogger("headrace.rollout")
 
 
+def prompt_sample(**fields: Any) -> Sample:
+    """The sample a generator receives: prompt tokens, empty response, no reward yet.
+
+    Built without validation because its reward is legitimately unset until it is scored; every
+    sample a generator returns is validated again (``_revalidate``) before it goes anywhere.
+    """
+    return Sample.model_construct(**{**{k: f.get_default(call_default_factory=True)
+                                        for k, f in Sample.model_fields.items() if not f.is_required()}, **fields})
+
+
+def _revalidate(s: Sample) -> Sample:
+    """Check every invariant of a generator's output; the reward is checked after scoring."""
+    d = s.model_dump()
+    checked = Sample.model_validate({**d, "reward": d["reward"] if d["reward"] is not None else 0.0})
+    if s.reward is None:
+        checked = checked.model_copy(update={"reward": None})
+    return checked
+
+
 def failed(sample: Sample, why: str) -> Sample:
     """The prompt-only sample marked failed with the reason."""
     return Sample(uid=sample.uid, group_id=sample.group_id, index=sample.index, tokens=sample.tokens[: sample.prompt_length],
@@ -93,7 +112,7 @@ class RolloutLoop:
                 outs = out if isinstance(out, list) else [out]
                 if not outs or not all(isinstance(s, Sample) for s in outs):
                     raise TypeError(f"generator must return a Sample or a list of Samples, got {_typename(out)}")
-                outs = [Sample.model_validate(s.model_dump()) for s in outs]  # re-check invariants
+                outs = [_revalidate(s) for s in outs]
             except ValidationError as e:
                 return [failed(base, f"generator produced an invalid sample: {_short(e)}")]
             except Exception as e:  # noqa: BLE001 - a generator fault fails the sample only
@@ -118,7 +137,7 @@ class RolloutLoop:
                 why = f"prompt has {len(ids)} tokens > rollout.max_prompt_length {self.rc.max_prompt_length}"
         except Exception as e:  # noqa: BLE001 - a bad prompt fails its group only
             ids, text, why = [], str(item.prompt)[:2000], f"tokenizing the prompt: {type(e).__name__}: {e}"
-        bases = [Sample(uid=f"{gid}-{i}", index=i, tokens=ids, prompt=text, **proto) for i in range(n)]
+        bases = [prompt_sample(uid=f"{gid}-{i}", index=i, tokens=ids, prompt=text, **proto) for i in range(n)]
         if why:
             samples = [failed(b, why) for b in bases]
         else:
@@ -138,29 +157,41 @@ class RolloutLoop:
         """Produce, filter and push one slot; True when a group reached the buffer as new."""
         self.groups_in_flight += 1
         try:
-            group = await self.produce(item)
-            if group is None:
-                self.counts["groups_failed"] += 1
-                self.data.mark_done(item)
-                return False
-            keep, err = apply_filter(self.filter_fn, self._ctx(False), group)
-            if err:
-                self.counts["filter_errors"] += 1
-                group.metadata["filter_error"] = err
-            if not keep:
-                self.counts["groups_filtered"] += 1
-                self.data.mark_done(item)
-                return False
-            outcome = await self.pusher.push(group)
+            return await self._slot(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not stop the loop or spin it
+            log.exception("group for slot %s failed: %s", item.key, e)
+            self.counts["groups_failed"] += 1
             self.data.mark_done(item)
-            key = {"accepted": "groups_pushed", "duplicate": "groups_duplicate", "rejected": "groups_rejected"}[outcome]
-            self.counts[key] += 1
-            if outcome == "accepted":
-                self.backlog += 1
-            return outcome != "rejected"
+            await asyncio.sleep(1.0)
+            return False
         finally:
             self.groups_in_flight -= 1
             self._wake.set()
+
+    async def _slot(self, item: PromptItem) -> bool:
+        """Produce -> filter -> push; the slot is marked done once its group's fate is final."""
+        group = await self.produce(item)
+        if group is None:
+            self.counts["groups_failed"] += 1
+            self.data.mark_done(item)
+            return False
+        keep, err = apply_filter(self.filter_fn, self._ctx(False), group)
+        if err:
+            self.counts["filter_errors"] += 1
+            group.metadata["filter_error"] = err
+        if not keep:
+            self.counts["groups_filtered"] += 1
+            self.data.mark_done(item)
+            return False
+        outcome = await self.pusher.push(group)
+        self.data.mark_done(item)
+        key = {"accepted": "groups_pushed", "duplicate": "groups_duplicate", "rejected": "groups_rejected"}[outcome]
+        self.counts[key] += 1
+        if outcome == "accepted":
+            self.backlog += 1
+        return outcome != "rejected"
 
     def _spawn(self, item: PromptItem) -> asyncio.Task[bool]:
         t = asyncio.create_task(self._run_slot(item))
@@ -244,7 +275,8 @@ class RolloutLoop:
         async def one(i: int, triple: tuple[Any, Any, dict[str, Any]]) -> Sample:
             item = PromptItem(position=i, epoch=0, prompt=triple[0], label=triple[1], metadata=triple[2])
             ids, text = self._prompt_ids(item)
-            base = Sample(uid=f"eval-{i}", group_id=f"eval-{i}", tokens=ids, prompt=text, label=item.label)
+            base = prompt_sample(uid=f"eval-{i}", group_id=f"eval-{i}", tokens=ids, prompt=text, label=item.label,
+                                 metadata={}, weight_version=self.gate.version)
             return (await self._sample(base, sampling))[0]
 
         samples = await asyncio.gather(*(one(i, t) for i, t in enumerate(items)))
