@@ -26,4 +26,11 @@ def logprobs(
     output: str = typer.Option(..., "--output", help='jsonl with {"logprobs": [...]} per line'),
 ) -> None:
     """Per-token log-probabilities from the trainer's model at TP=N."""
-    raise typer.Exit("headrace model logprobs: not implemented yet")
+    from trainer.logprobs_tool import run as run_logprobs
+
+    try:
+        n = run_logprobs(model, tp, input, output)
+    except (OSError, ValueError, KeyError, RuntimeError, TimeoutError) as e:
+        typer.echo(f"headrace model logprobs: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote {n} lines to {output}", err=True)

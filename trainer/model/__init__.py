@@ -6,31 +6,51 @@ Public API (the RL code and tools build on these names):
 - ``TPDecoder``: ``forward`` (local logits shard), ``token_logprobs`` (vocab-parallel logprobs and
   entropy, differentiable), ``hf_state_dict`` (TP-gathered HF tensors on TP rank 0).
 - ``vocab_parallel_logprobs``: the logprob/entropy function on its own.
+
+Names are resolved lazily, so torch-free helpers (``trainer.model.support``) import without torch.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from pathlib import Path
 
-from shared.hf_arch import ArchConfig
-from trainer.model.decoder import TPDecoder
-from trainer.model.logprobs import vocab_parallel_logprobs
-from trainer.parallel import ParallelInfo
+    import torch
+
+    from trainer.model.decoder import TPDecoder
+    from trainer.model.logprobs import vocab_parallel_logprobs
+    from trainer.parallel import ParallelInfo
 
 __all__ = ["load_model", "TPDecoder", "vocab_parallel_logprobs"]
 
 
-def load_model(model_dir: str | Path, info: ParallelInfo, dtype: torch.dtype = torch.float32) -> TPDecoder:
+def load_model(model_dir: "str | Path", info: "ParallelInfo", dtype: "torch.dtype | None" = None) -> "TPDecoder":
     """Build the decoder of ``model_dir`` (config.json + safetensors) sharded for ``info``.
 
-    Raises FileNotFoundError / ValueError / KeyError naming the missing file, the unsupported
-    setting or the missing / misshapen tensor.
+    ``dtype`` defaults to float32. Raises FileNotFoundError / ValueError / KeyError naming the
+    missing file, the unsupported setting or the missing / misshapen tensor.
     """
+    import torch
+
+    from shared.hf_arch import ArchConfig
+    from trainer.model.decoder import TPDecoder
     from trainer.model.loading import load_shards
 
     arch = ArchConfig.from_model_dir(model_dir)
-    model = TPDecoder(arch, info, dtype)
+    model = TPDecoder(arch, info, dtype or torch.float32)
     load_shards(model, model_dir)
     return model.to(info.device)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TPDecoder":
+        from trainer.model.decoder import TPDecoder
+
+        return TPDecoder
+    if name == "vocab_parallel_logprobs":
+        from trainer.model.logprobs import vocab_parallel_logprobs
+
+        return vocab_parallel_logprobs
+    raise AttributeError(f"module 'trainer.model' has no attribute {name!r}")

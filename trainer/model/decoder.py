@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from trainer.model.logprobs import vocab_parallel_logprobs
+from trainer.model.support import check_tp_compatible
 from trainer.parallel import ParallelInfo
 
 with warnings.catch_warnings():
@@ -35,21 +36,12 @@ with warnings.catch_warnings():
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
+if not torch.cuda.is_available():  # advice about a CUDA stream setting, meaningless on CPU
+    warnings.filterwarnings("ignore", message="When using async grad allreduce", category=UserWarning)
+
 
 def _no_init(_: torch.Tensor) -> None:
     """Weights come from the checkpoint; megatron's initialisers are never called."""
-
-
-def check_tp_compatible(arch: ArchConfig, tp: int) -> None:
-    """Raise ValueError when ``arch`` cannot be split ``tp`` ways (heads, kv heads, MLP width)."""
-    problems = [f"{name}={val}" for name, val in (("num_attention_heads", arch.num_heads),
-                                                  ("num_key_value_heads", arch.num_kv_heads),
-                                                  ("intermediate_size", arch.intermediate_size)) if val % tp]
-    if problems:
-        raise ValueError(f"tensor-parallel size {tp} must divide {', '.join(problems)}")
-    act = arch.raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (silu only)")
 
 
 class RMSNorm(torch.nn.Module):
