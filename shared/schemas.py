@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 MAX_GROUP_SIZE = 1024
+MAX_INT = 2**63 - 1  # versions and counts are stored as SQLite INTEGERs (signed 64-bit)
 
 
 class SampleStatus(str, Enum):
@@ -45,7 +46,7 @@ class Sample(_Wire):
     rollout_logprobs: list[float] | None = Field(default=None, description="len == response_length; finite, <= 0")
     reward: float | None = Field(default=None, description="finite; null only when status is failed")
     status: SampleStatus = Field(default=SampleStatus.completed)
-    weight_version: int = Field(default=0, ge=0, description="oldest policy version that produced a response token")
+    weight_version: int = Field(default=0, ge=0, le=MAX_INT, description="oldest policy version that produced a response token")
     prompt: str | None = None
     response: str | None = None
     label: Any = None
@@ -151,7 +152,7 @@ class LeaseRequest(_Wire):
     groups: int = Field(ge=1, le=1_000_000, description="exactly this many groups, or 204")
     wait_s: float = Field(default=0.0, ge=0.0, le=3600.0)
     lease_s: float = Field(default=600.0, gt=0.0, le=7 * 24 * 3600.0)
-    min_weight_version: int | None = Field(default=None, ge=0)
+    min_weight_version: int | None = Field(default=None, ge=0, le=MAX_INT)
 
 
 class LeaseResponse(_Wire):
@@ -161,7 +162,7 @@ class LeaseResponse(_Wire):
 
 
 class PolicyVersionRequest(_Wire):
-    version: int = Field(ge=0)
+    version: int = Field(ge=0, le=MAX_INT)
 
 
 class BufferStats(_Wire):

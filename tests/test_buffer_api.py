@@ -204,7 +204,7 @@ def test_min_weight_version_and_staleness(buf: str) -> None:
 
 @pytest.mark.parametrize("case", ["malformed_json", "malformed_msgpack", "wrong_type", "mask_length", "nan_reward",
                                   "negative_length", "empty_group", "mixed_group_id", "no_groups", "logprob_positive",
-                                  "unknown_field", "not_an_object"])
+                                  "unknown_field", "not_an_object", "huge_version"])
 def test_invalid_posts_are_422_naming_the_field_and_store_nothing(buf: str, case: str) -> None:
     v = stats(buf)["policy_version"]  # earlier tests raised it: keep these groups fresh
     good = make_group(f"ok-{case}", wv=v)
@@ -244,6 +244,10 @@ def test_invalid_posts_are_422_naming_the_field_and_store_nothing(buf: str, case
         body, expect = b'{"groups": []}', "groups"
     elif case == "not_an_object":
         body, expect = b"[1, 2]", "<body>"
+    elif case == "huge_version":  # beyond 64 bits: orjson reads it as a float; must be 422, not a 500
+        bad["samples"][0]["weight_version"] = 123456789
+        body = orjson.dumps({"groups": groups}).replace(b":123456789", b":99999999999999999999999")
+        expect = "groups[1].samples[0].weight_version"
     else:
         body = orjson.dumps({"groups": groups})
     r = httpx.post(buf + "/v1/groups", content=body, headers={"content-type": ctype})
