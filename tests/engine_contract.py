@@ -1,0 +1,298 @@
+"""Contract tests of the SGLang /generate and control API subset Headrace relies on.
+
+Each ``test_*`` function takes a fixture ``engine`` (an object with ``.url`` and ``.model_dir``)
+and holds for the reference engine and for a real SGLang 0.5.23 server alike: import them into a
+test module and bind ``engine`` there (tests/test_engine_reference.py binds the reference engine;
+the SGLang tier binds a real server started with ``--dtype float32``).
+
+The server must run a float32 model whose directory ``transformers`` loads: logprobs are checked
+teacher-forced against a ``transformers`` forward pass of the same weights. No assertion depends
+on timing: waits poll until a condition holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import time
+from typing import Any
+
+import httpx
+
+LOGPROB_ATOL = 5e-3      # fp32 on both sides; SGLang's CPU kernels differ from torch's in the last bits
+
+
+def post(engine: Any, path: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{engine.url}{path}", json=body if body is not None else {}, timeout=timeout)
+
+
+def generate(engine: Any, **body: Any) -> Any:
+    r = post(engine, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@functools.lru_cache(maxsize=4)
+def _hf(model_dir: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model_dir: str, prompt: list[int], output: list[int], temperature: float = 1.0) -> Any:
+    """log softmax(logits / T) [len(output), vocab] of each output position, teacher-forced."""
+    import torch
+
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = _hf(str(model_dir))(ids).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
+
+
+def prompt_ids(k: int = 0, n: int = 8) -> list[int]:
+    return [(17 * k + 5 * i) % 200 + 3 for i in range(n)]
+
+
+def check_result(res: dict[str, Any], prompt_len: int) -> None:
+    assert set(res) >= {"text", "output_ids", "meta_info"}, res
+    assert isinstance(res["text"], str)
+    meta = res["meta_info"]
+    for key in ("id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version"):
+        assert key in meta, f"meta_info lacks {key}: {meta}"
+    assert meta["prompt_tokens"] == prompt_len
+    assert meta["completion_tokens"] == len(res["output_ids"])
+    assert meta["finish_reason"]["type"] in ("length", "stop", "abort")
+    assert all(isinstance(t, int) for t in res["output_ids"])
+
+
+# ---- /generate shapes ------------------------------------------------------------------------
+
+
+def test_generate_single_input_ids(engine: Any) -> None:
+    p = prompt_ids()
+    res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    assert isinstance(res, dict)
+    check_result(res, len(p))
+    assert res["meta_info"]["completion_tokens"] == 6
+    assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_generate_batch_input_ids_returns_list(engine: Any) -> None:
+    ps = [prompt_ids(1, 5), prompt_ids(2, 9), prompt_ids(3, 3)]
+    res = generate(engine, input_ids=ps, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert isinstance(res, list) and len(res) == 3
+    for r, p in zip(res, ps):
+        check_result(r, len(p))
+        assert r["meta_info"]["completion_tokens"] == 4
+
+
+def test_generate_text_single_and_batch(engine: Any) -> None:
+    sp = {"max_new_tokens": 3, "ignore_eos": True}
+    one = generate(engine, text="What is 1 + 2?", sampling_params=sp)
+    assert isinstance(one, dict) and one["meta_info"]["prompt_tokens"] > 0
+    assert one["meta_info"]["completion_tokens"] == 3
+    many = generate(engine, text=["Compute 3 + 4.", "Solve: 5 - 1 ="], sampling_params=sp)
+    assert isinstance(many, list) and len(many) == 2
+    assert all(isinstance(r["text"], str) and r["meta_info"]["completion_tokens"] == 3 for r in many)
+
+
+def test_per_prompt_sampling_params_in_a_batch(engine: Any) -> None:
+    res = generate(engine, input_ids=[prompt_ids(4), prompt_ids(5)],
+                   sampling_params=[{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 5, "ignore_eos": True}])
+    assert [r["meta_info"]["completion_tokens"] for r in res] == [2, 5]
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+
+
+def test_logprobs_finite_and_match_a_forward_pass(engine: Any) -> None:
+    p = prompt_ids(6, 10)
+    res = generate(engine, input_ids=p, return_logprob=True,
+                   sampling_params={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True})
+    lps = res["meta_info"]["output_token_logprobs"]
+    assert len(lps) == len(res["output_ids"]) == 12
+    for (lp, tid, text), out in zip(lps, res["output_ids"]):
+        assert tid == out and text is None
+        assert math.isfinite(lp) and lp <= 0.0
+    ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
+    for i, (lp, tid, _) in enumerate(lps):
+        assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
+
+
+def test_logprobs_at_temperature_are_of_the_tempered_distribution(engine: Any) -> None:
+    p = prompt_ids(7, 6)
+    res = generate(engine, input_ids=p, return_logprob=True,
+                   sampling_params={"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True})
+    ref = hf_logprobs(engine.model_dir, p, res["output_ids"], temperature=0.7)
+    for i, (lp, tid, _) in enumerate(res["meta_info"]["output_token_logprobs"]):
+        assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
+
+
+def test_greedy_follows_the_argmax(engine: Any) -> None:
+    p = prompt_ids(8, 7)
+    res = generate(engine, input_ids=p, return_logprob=True,
+                   sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
+    for i, tid in enumerate(res["output_ids"]):
+        top2 = ref[i].topk(2).values
+        if float(top2[0] - top2[1]) > 1e-4:        # skip near-ties, where fp rounding may pick either
+            assert tid == int(ref[i].argmax()), (i, tid, int(ref[i].argmax()))
+        assert abs(res["meta_info"]["output_token_logprobs"][i][0] - float(ref[i, tid])) < LOGPROB_ATOL
+
+
+# ---- sampling params -------------------------------------------------------------------------
+
+
+def test_n_samples(engine: Any) -> None:
+    res = generate(engine, input_ids=prompt_ids(9), sampling_params={"n": 3, "max_new_tokens": 6, "ignore_eos": True})
+    assert isinstance(res, list) and len(res) == 3
+    assert len({r["meta_info"]["id"] for r in res}) == 3
+    assert all(r["meta_info"]["completion_tokens"] == 6 for r in res)
+    batch = generate(engine, input_ids=[prompt_ids(10, 4), prompt_ids(11, 7)],
+                     sampling_params={"n": 2, "max_new_tokens": 3, "ignore_eos": True})
+    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [4, 4, 7, 7]
+
+
+def test_max_new_tokens_gives_length_finish(engine: Any) -> None:
+    for k in (1, 7):
+        res = generate(engine, input_ids=prompt_ids(12), sampling_params={"max_new_tokens": k, "ignore_eos": True})
+        assert res["meta_info"]["completion_tokens"] == k
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": k}
+
+
+def test_stop_token_ids(engine: Any) -> None:
+    p = prompt_ids(13)
+    free = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0})["output_ids"]
+    k = next((i for i in range(2, len(free)) if free[i] not in free[:i]), 0)
+    stop = free[k]
+    res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [stop]})
+    assert res["output_ids"] == free[:k + 1]
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
+def test_stop_strings(engine: Any) -> None:
+    p = prompt_ids(14)
+    sp = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    free = generate(engine, input_ids=p, sampling_params=sp)["text"]
+    j = next((i for i in range(1, len(free)) if free[i].isprintable() and not free[i].isspace()
+              and free[i] != "\ufffd"), None)
+    assert j is not None, f"greedy text {free!r} has no usable stop character"
+    stop = free[j]
+    res = generate(engine, input_ids=p, sampling_params={**sp, "stop": [stop]})
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in res["text"] and free.startswith(res["text"])
+    assert res["meta_info"]["completion_tokens"] < 16
+
+
+# ---- abort, pause, continue ------------------------------------------------------------------
+
+
+class Background:
+    """A /generate call running in a thread."""
+
+    def __init__(self, engine: Any, **body: Any) -> None:
+        self.result: Any = None
+        self.status: int | None = None
+        self.thread = threading.Thread(target=self._run, args=(engine, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, engine: Any, body: dict[str, Any]) -> None:
+        r = post(engine, "/generate", body, timeout=600)
+        self.status, self.result = r.status_code, r.json()
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self, timeout: float = 300.0) -> Any:
+        self.thread.join(timeout)
+        assert self.done(), "the request did not return"
+        assert self.status == 200, self.result
+        return self.result
+
+
+LONG = {"max_new_tokens": 1800, "ignore_eos": True}
+
+
+def _until_done(bg: Background, action: Any, every: float = 0.3, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not bg.done() and time.monotonic() < deadline:
+        action()
+        bg.thread.join(every)
+
+
+def test_abort_request_by_rid_returns_partial_output(engine: Any) -> None:
+    rid = f"contract-abort-{time.time_ns()}"
+    bg = Background(engine, input_ids=prompt_ids(15), rid=rid, return_logprob=True, sampling_params=LONG)
+    _until_done(bg, lambda: post(engine, "/abort_request", {"rid": rid}))
+    res = bg.wait()
+    assert res["meta_info"]["finish_reason"]["type"] == "abort"
+    assert res["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+    assert len(res["meta_info"]["output_token_logprobs"]) == len(res["output_ids"])
+
+
+def test_abort_all(engine: Any) -> None:
+    bgs = [Background(engine, input_ids=prompt_ids(16 + i), sampling_params=LONG) for i in range(2)]
+    for bg in bgs:
+        _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+    assert all(bg.wait()["meta_info"]["finish_reason"]["type"] == "abort" for bg in bgs)
+
+
+def test_pause_abort_then_continue(engine: Any) -> None:
+    bg = Background(engine, input_ids=prompt_ids(18), sampling_params=LONG)
+    try:
+        def pause_and_release() -> None:
+            r = post(engine, "/pause_generation", {"mode": "abort"})
+            assert r.status_code == 200, r.text
+            bg.thread.join(1.0)
+            if not bg.done():      # it arrived after the pause and is held: let it in, then abort again
+                post(engine, "/continue_generation")
+
+        _until_done(bg, pause_and_release)
+        assert bg.wait()["meta_info"]["finish_reason"]["type"] == "abort"
+    finally:
+        assert post(engine, "/continue_generation").status_code == 200
+    res = generate(engine, input_ids=prompt_ids(19), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    assert res["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def _pause_hold_continue(engine: Any, mode: str) -> None:
+    first = Background(engine, input_ids=prompt_ids(20), sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+    try:
+        assert post(engine, "/pause_generation", {"mode": mode}).status_code == 200
+        held = Background(engine, input_ids=prompt_ids(21), sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+        held.thread.join(1.5)
+        assert not held.done(), "a request sent while paused must wait for /continue_generation"
+    finally:
+        assert post(engine, "/continue_generation").status_code == 200
+    assert held.wait()["meta_info"]["completion_tokens"] == 3
+    res = first.wait()
+    assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 400}
+    assert res["meta_info"]["completion_tokens"] == 400
+
+
+def test_pause_in_place_holds_and_continue_resumes(engine: Any) -> None:
+    _pause_hold_continue(engine, "in_place")
+
+
+def test_pause_retract_holds_and_continue_resumes(engine: Any) -> None:
+    _pause_hold_continue(engine, "retract")
+
+
+# ---- health and info -------------------------------------------------------------------------
+
+
+def test_health(engine: Any) -> None:
+    assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{engine.url}/health_generate", timeout=60).status_code == 200
+
+
+def test_get_model_info(engine: Any) -> None:
+    info = httpx.get(f"{engine.url}/get_model_info", timeout=30).json()
+    assert info["is_generation"] is True
+    assert "model_path" in info and "weight_version" in info
+
+
+def test_flush_cache_when_idle(engine: Any) -> None:
+    assert post(engine, "/flush_cache").status_code == 200
