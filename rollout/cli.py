@@ -30,11 +30,10 @@ def serve(
         cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url})
         import uvicorn
 
-        from rollout.data import DataError
         from rollout.service import create_app
 
         app = create_app(cfg)
-    except (ConfigError, PluginError, DataError, ValueError, OSError) as e:
+    except (ConfigError, PluginError, ValueError, OSError) as e:  # DataError is a ValueError
         typer.echo(f"headrace rollout serve: {e}", err=True)
         raise typer.Exit(2)
     uvicorn.run(app, host=cfg.rollout.host, port=cfg.rollout.port, log_level="warning")

@@ -186,6 +186,7 @@ class DataSource:
         return self.cfg.epochs is not None and self._skip_done(self._next) >= self.cfg.epochs * len(self.items)
 
     def _skip_done(self, g: int) -> int:
+        g = max(g, self.watermark)  # everything below the watermark is finished
         while g in self.done:
             g += 1
         return g
