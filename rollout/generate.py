@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 GenerateFn = Callable[["RolloutContext", Sample, dict[str, Any]], Awaitable["Sample | list[Sample]"]]
 
-MAX_ATTEMPTS = 50
+MAX_ATTEMPTS = 50  # connection failures (an engine died: reroute while the fleet restarts it)
+MAX_BAD_ANSWERS = 3  # 5xx or unusable bodies: the engine is up but broken
 
 
 class EngineError(RuntimeError):
@@ -131,7 +132,7 @@ class EngineClient:
         lps: list[float] = []
         text = ""
         segments = 0
-        attempts = 0
+        attempts = bad = 0
         while True:
             params = dict(sampling, max_new_tokens=budget - len(ids))
             epoch = self.gate.abort_epoch
@@ -139,7 +140,8 @@ class EngineClient:
                 out, version = await self._once(list(input_ids) + ids, params)
             except (httpx.TransportError, httpx.TimeoutException, _Retryable) as e:
                 attempts += 1
-                if attempts >= MAX_ATTEMPTS:
+                bad += isinstance(e, _Retryable)
+                if attempts >= MAX_ATTEMPTS or bad >= MAX_BAD_ANSWERS:
                     raise EngineError(f"/generate failed {attempts} times; last: {type(e).__name__}: {e}") from None
                 ctx.logger.info("rerouting a request after %s: %s", type(e).__name__, e)
                 await asyncio.sleep(min(2.0, 0.05 * attempts))
@@ -242,6 +244,8 @@ def append_turn(sample: Sample, answer: dict[str, Any]) -> Sample:
     sample.response_length += len(ids)
     sample.response = (sample.response or "") + (answer.get("text") or "")
     sample.status = STATUS[answer["meta_info"]["finish_reason"]["type"]]
+    if answer["meta_info"].get("segments", 1) > 1:  # a partial rollout resumed after a pause
+        sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + answer["meta_info"]["segments"] - 1
     return sample
 
 

@@ -1,0 +1,119 @@
+"""The rollout service end to end on loopback: real buffer, real reference engines, real HTTP.
+
+Covers: a custom generator loaded from a file outside the package (tool tokens with loss_mask 0),
+plugins that raise or return the wrong type (failed samples, service keeps running), the built-in
+zero-variance filter with over-sampling (on_demand generate_batch), and pause (abort) / resume
+with partial rollouts continued under the remaining token budget.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.test_rollout_support import stacks, tiny_model, write_prompts  # noqa: F401 (fixtures)
+
+GENERATOR = '''
+from rollout.generate import append_tokens, append_turn
+
+async def generate(ctx, sample, sampling):
+    if sample.index == 1:
+        raise RuntimeError("plugin exploded")
+    if sample.index == 2:
+        return {"not": "a sample"}
+    first = await ctx.generate(sample.tokens, dict(sampling, max_new_tokens=3))
+    append_turn(sample, first)
+    tool = "<r>7</r>"
+    append_tokens(sample, ctx.tokenizer(tool, add_special_tokens=False)["input_ids"], tool)
+    second = await ctx.generate(sample.tokens, dict(sampling, max_new_tokens=3))
+    append_turn(sample, second)
+    sample.metadata["turns"] = 2
+    return sample
+'''
+
+
+def test_custom_generator_from_a_file_with_tool_masks_and_faulty_plugins(tmp_path: Path, tiny_model, stacks) -> None:
+    gen = tmp_path / "outside" / "my_generator.py"
+    gen.parent.mkdir()
+    gen.write_text(GENERATOR)
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 6)), "shuffle": False},
+        "n_samples_per_prompt": 4, "mode": "on_demand", "generate": f"{gen}:generate",
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}}).start()
+    assert s.get("/v1/engines") == [{"url": s.status()["engines"][0]["url"], "world_size": 1}]
+    r = s.post("/v1/generate_batch", {"groups": 2})
+    assert r.status_code == 200 and r.json()["groups"] == 2, r.text
+    groups = s.lease_all()
+    assert len(groups) == 2
+    uids = [x.uid for g in groups for x in g.samples]
+    assert len(set(uids)) == 8 and all(u.startswith(g.group_id) for g in groups for u in (x.uid for x in g.samples))
+    for g in groups:
+        by_index = {x.index: x for x in g.samples}
+        good = [by_index[0], by_index[3]]
+        for x in good:
+            assert x.status == "truncated" and x.weight_version == 0 and x.metadata["turns"] == 2
+            assert x.loss_mask[:3] == [1, 1, 1] and x.loss_mask[-3:] == [1, 1, 1]
+            tool = x.loss_mask[3:-3]
+            assert tool and set(tool) == {0}
+            assert len(x.rollout_logprobs) == x.response_length == len(x.loss_mask)
+            assert all(lp < 0 for lp, m in zip(x.rollout_logprobs, x.loss_mask) if m == 1)
+            assert x.reward in (0.0, 1.0) and "<r>7</r>" in x.response
+        assert by_index[1].status == "failed" and by_index[1].reward is None
+        assert "plugin exploded" in by_index[1].metadata["error"]
+        assert by_index[2].status == "failed" and "must return a Sample" in by_index[2].metadata["error"]
+        assert by_index[1].response_length == 0 and by_index[1].tokens == good[0].tokens[:good[0].prompt_length]
+    st = s.status()
+    assert st["counts"]["samples_failed"] == 4 and st["produced"] == 2
+    assert s.post("/v1/generate_batch", {"groups": 1}).json()["groups"] == 1  # still serving
+
+
+REWARD = '''
+def reward(ctx, sample):
+    return float(sample.index % 2) if sample.label == "vary" else 0.0
+'''
+
+
+def test_zero_variance_filter_with_over_sampling(tmp_path: Path, tiny_model, stacks) -> None:
+    (tmp_path / "rw.py").write_text(REWARD)
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 16, lambda i: "vary" if i % 3 == 0 else "flat")),
+                 "shuffle": False, "epochs": 1},
+        "n_samples_per_prompt": 2, "mode": "on_demand", "reward": f"{tmp_path}/rw.py:reward",
+        "filter": "zero_variance", "sampling": {"max_new_tokens": 2}}).start()
+    r = s.post("/v1/generate_batch", {"groups": 3}).json()
+    assert r["groups"] == 3 and r["complete"] and r["prompts_drawn"] >= 7  # slots 0, 3, 6 pass; others dropped
+    groups = s.lease_all()
+    assert len(groups) == 3 and all(sorted(x.reward for x in g.samples) == [0.0, 1.0] for g in groups)
+    assert sorted(g.metadata["position"] for g in groups) == [0, 3, 6]
+    assert s.status()["counts"]["groups_filtered"] >= 4
+    # the data (one epoch) holds only 3 more passing prompts: the batch returns them and says so
+    r = s.post("/v1/generate_batch", {"groups": 10}).json()
+    assert (r["groups"], r["complete"], r["data_exhausted"]) == (3, False, True)
+    assert sorted(g.metadata["position"] for g in s.lease_all()) == [9, 12, 15]
+
+
+def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_path: Path, tiny_model, stacks) -> None:
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 64))},
+        "n_samples_per_prompt": 2, "groups_per_step": 4, "max_concurrency": 8,
+        "sampling": {"max_new_tokens": 48, "ignore_eos": True}}, max_staleness=3).start()
+    s.wait(lambda st: st["in_flight"] > 0 and st["tokens"] > 0, what="generation in flight")
+    r = s.post("/v1/pause", {"mode": "abort"})
+    assert r.status_code == 200 and r.json()["in_flight"] == 0, r.text
+    st = s.status()
+    assert st["paused"] and st["in_flight"] == 0
+    tokens = st["tokens"]
+    import time
+
+    time.sleep(1.0)
+    assert s.status()["tokens"] == tokens  # nothing generated while paused
+    assert s.post("/v1/resume", {"weight_version": 3}).json()["weight_version"] == 3
+    s.wait(lambda st: st["produced"] >= 8, what="8 groups after resume")
+    samples = [x for g in s.lease_all() for x in g.samples]
+    assert all(x.response_length == 48 and x.status == "truncated" for x in samples)
+    assert all(len(x.rollout_logprobs) == 48 for x in samples)
+    assert {x.weight_version for x in samples} <= {0, 3} and any(x.weight_version == 3 for x in samples)
+    resumed = [x for x in samples if x.metadata.get("resumed")]
+    assert resumed and all(x.weight_version == 0 for x in resumed)  # oldest version that produced a token
+    # drain mode: returns when running requests finished
+    r = s.post("/v1/pause", {"mode": "drain"})
+    assert r.status_code == 200 and s.status()["in_flight"] == 0
