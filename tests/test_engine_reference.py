@@ -73,6 +73,19 @@ def test_a_request_sent_while_another_runs_joins_and_completes(engine: EngineHan
     assert long.wait()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_a_client_that_goes_away_aborts_its_request(engine: EngineHandle) -> None:
+    body = {"input_ids": prompt_ids(41), "sampling_params": {"max_new_tokens": 1800, "ignore_eos": True}}
+    generated = server_state(engine)["generated_tokens"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{engine.url}/generate", json=body, timeout=httpx.Timeout(30.0, read=1.0))
+    deadline = time.monotonic() + 60
+    while server_state(engine)["running"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = server_state(engine)
+    assert st["running"] == 0
+    assert st["generated_tokens"] - generated < 1800, "the request ran to the end instead of being aborted"
+
+
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine: EngineHandle) -> None:
     sp = {"max_new_tokens": 10, "temperature": 1.0, "sampling_seed": 1234, "ignore_eos": True}
     alone = generate(engine, input_ids=prompt_ids(32), sampling_params=sp)["output_ids"]

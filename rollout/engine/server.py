@@ -9,6 +9,7 @@ Guarantees:
   ``id``, ``finish_reason`` (``{"type": "length"|"stop"|"abort", ...}``), ``prompt_tokens``,
   ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency`` and, with
   ``return_logprob``, ``output_token_logprobs`` = ``[[logprob, token_id, text|null], ...]``.
+- A client that disconnects before its answer aborts its request (as SGLang does).
 - Bad input is a 400 ``{"error": {"message": ...}}`` naming the problem; the server keeps serving.
   Generation while the weights are released, or after a failed weight update left them partly
   written, is a 503 with the reason.
@@ -270,7 +271,13 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
-        return json_response(await engine.generate(await _json(request)))
+        task = asyncio.ensure_future(engine.generate(await _json(request)))
+        while not task.done():                    # like SGLang: a client that goes away aborts its request
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
+        return json_response(task.result())
 
     @app.get("/health")
     async def health() -> Response:
