@@ -9,9 +9,13 @@ inference engine uses.
 
 Layout per layer, per TP rank (Megatron's): q/k/v projections fused into one column-parallel
 linear whose local output is [q heads of this rank | k heads | v heads]; gate/up fused likewise as
-[gate slice | up slice]; o_proj and down_proj row-parallel (one all-reduce each in forward). The
-vocabulary is padded to a multiple of TP and sharded over ranks; ``forward`` returns this rank's
-logits without the padding columns.
+[gate slice | up slice]; o_proj and down_proj row-parallel (one all-reduce each in forward).
+
+Sizes that TP does not divide are padded at the tail with zero weights (``support.padded_dims``):
+kv heads (q heads follow, keeping the GQA grouping), the MLP width and the vocabulary. So
+SmolLM2-135M (9 heads, 3 kv heads) runs at TP=2 as 12/4 heads. A zero-padded head or MLP unit
+outputs exactly 0 and receives exactly 0 gradient, so padding stays zero under training and is
+dropped on export; ``forward`` returns this rank's logits without the padding columns.
 
 Inputs are one packed token stream: ``input_ids`` [T], ``position_ids`` [T] and ``cu_seqlens``
 [S+1] (sequence boundaries, cu_seqlens[0] == 0, cu_seqlens[-1] == T). Attention is causal inside
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 
 from shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from trainer.model.logprobs import vocab_parallel_logprobs
-from trainer.model.support import check_tp_compatible
+from trainer.model.support import check_tp_compatible, padded_dims
 from trainer.parallel import ParallelInfo
 
 with warnings.catch_warnings():
@@ -62,12 +66,12 @@ class Attention(torch.nn.Module):
     def __init__(self, arch: ArchConfig, cfg: ModelParallelConfig, group: Any) -> None:
         super().__init__()
         tp = group.size()
-        self.head_dim = arch.head_dim
-        self.n_heads, self.n_kv = arch.num_heads // tp, arch.num_kv_heads // tp
-        out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        self.qkv = ColumnParallelLinear(arch.hidden_size, out, config=cfg, init_method=_no_init,
-                                        bias=arch.qkv_bias, gather_output=False, tp_group=group)
-        self.o = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, config=cfg,
+        dims = padded_dims(arch, tp)
+        self.head_dim = hd = arch.head_dim
+        self.n_heads, self.n_kv = dims["heads"] // tp, dims["kv_heads"] // tp
+        self.qkv = ColumnParallelLinear(arch.hidden_size, (dims["heads"] + 2 * dims["kv_heads"]) * hd, config=cfg,
+                                        init_method=_no_init, bias=arch.qkv_bias, gather_output=False, tp_group=group)
+        self.o = RowParallelLinear(dims["heads"] * hd, arch.hidden_size, config=cfg,
                                    init_method=_no_init, bias=arch.o_bias, input_is_parallel=True,
                                    skip_bias_add=False, tp_group=group)
         if arch.qk_norm:
@@ -99,11 +103,11 @@ class MLP(torch.nn.Module):
 
     def __init__(self, arch: ArchConfig, cfg: ModelParallelConfig, group: Any) -> None:
         super().__init__()
-        self.local = arch.intermediate_size // group.size()
-        self.gate_up = ColumnParallelLinear(arch.hidden_size, 2 * arch.intermediate_size, config=cfg,
-                                            init_method=_no_init, bias=arch.mlp_bias, gather_output=False,
-                                            tp_group=group)
-        self.down = RowParallelLinear(arch.intermediate_size, arch.hidden_size, config=cfg, init_method=_no_init,
+        inter = padded_dims(arch, group.size())["intermediate"]
+        self.local = inter // group.size()
+        self.gate_up = ColumnParallelLinear(arch.hidden_size, 2 * inter, config=cfg, init_method=_no_init,
+                                            bias=arch.mlp_bias, gather_output=False, tp_group=group)
+        self.down = RowParallelLinear(inter, arch.hidden_size, config=cfg, init_method=_no_init,
                                       bias=arch.mlp_bias, input_is_parallel=True, skip_bias_add=False,
                                       tp_group=group)
 
@@ -140,7 +144,7 @@ class TPDecoder(torch.nn.Module):
         cfg = ModelParallelConfig(tensor_model_parallel_size=info.tp, use_cpu_initialization=True,
                                   perform_initialization=False, params_dtype=dtype)
         tp = info.tp
-        self.padded_vocab = -(-arch.vocab_size // tp) * tp
+        self.padded_vocab = padded_dims(arch, tp)["vocab"]
         self.vocab_local = self.padded_vocab // tp
         self.vocab_start = info.tp_rank * self.vocab_local
         # columns of the local logits that are real tokens (the tail of the last shard is padding)

@@ -4,10 +4,13 @@ Every parameter of ``TPDecoder`` has a ``Spec``: the HF tensors it is made of an
 over TP ranks:
 
 - ``rep``: replicated (norms, row-parallel biases); every rank holds the full tensor.
-- ``rows``: split along dim 0 into TP equal slices; several HF tensors (q/k/v, gate/up) are fused
-  by concatenating each one's slice for this rank, in order.
+- ``rows``: split along dim 0 into TP equal slices (column-parallel weights and biases, the
+  vocabulary); several HF tensors (q/k/v, gate/up) are fused by concatenating each one's slice
+  for this rank, in order.
 - ``cols``: split along dim 1 (row-parallel weights: o_proj, down_proj).
-- ``vocab``: rows of the vocabulary, padded with zero rows up to a multiple of TP.
+
+A split dimension that TP does not divide is padded at its tail with zeros (heads, MLP width,
+vocabulary; see ``support.padded_dims``); export drops the padding.
 
 Loading reads only this rank's slices (``safe_open(...).get_slice``), so no rank ever holds the
 full checkpoint. Export gathers the slices to TP rank 0 and undoes the fusing and padding, which
@@ -24,42 +27,53 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
+from trainer.model.support import padded_dims
+
 if TYPE_CHECKING:
     from trainer.model.decoder import TPDecoder
 
 
 @dataclass(frozen=True)
 class Spec:
-    parts: tuple[str, ...]      # HF names, concatenated in this order (rows mode) or a single one
-    mode: str                   # rep | rows | cols | vocab
+    parts: tuple[tuple[str, int], ...]  # (HF name, padded length along the split dim); fused in order
+    mode: str                           # rep | rows | cols
 
 
 def param_specs(model: "TPDecoder") -> dict[str, Spec]:
     """Spec of every parameter of ``model`` (our name -> Spec)."""
-    specs: dict[str, Spec] = {"embed.weight": Spec(("model.embed_tokens.weight",), "vocab"),
-                              "norm.weight": Spec(("model.norm.weight",), "rep")}
+    a = model.arch
+    dims = padded_dims(a, model.info.tp)
+    hd = a.head_dim
+    heads = {"q": dims["heads"] * hd, "k": dims["kv_heads"] * hd, "v": dims["kv_heads"] * hd}
+    inter = dims["intermediate"]
+
+    def rep(name: str) -> Spec:
+        return Spec(((name, 0),), "rep")
+
+    specs: dict[str, Spec] = {"embed.weight": Spec((("model.embed_tokens.weight", dims["vocab"]),), "rows"),
+                              "norm.weight": rep("model.norm.weight")}
     if not model.tied:
-        specs["lm_head.weight"] = Spec(("lm_head.weight",), "vocab")
+        specs["lm_head.weight"] = Spec((("lm_head.weight", dims["vocab"]),), "rows")
     for i, layer in enumerate(model.layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         att, mlp = hf + "self_attn.", hf + "mlp."
-        specs[ours + "input_norm.weight"] = Spec((hf + "input_layernorm.weight",), "rep")
-        specs[ours + "post_norm.weight"] = Spec((hf + "post_attention_layernorm.weight",), "rep")
-        specs[ours + "attn.qkv.weight"] = Spec(tuple(att + f"{x}_proj.weight" for x in "qkv"), "rows")
+        specs[ours + "input_norm.weight"] = rep(hf + "input_layernorm.weight")
+        specs[ours + "post_norm.weight"] = rep(hf + "post_attention_layernorm.weight")
+        specs[ours + "attn.qkv.weight"] = Spec(tuple((att + f"{x}_proj.weight", n) for x, n in heads.items()), "rows")
         if layer.attn.qkv.bias is not None:
-            specs[ours + "attn.qkv.bias"] = Spec(tuple(att + f"{x}_proj.bias" for x in "qkv"), "rows")
-        specs[ours + "attn.o.weight"] = Spec((att + "o_proj.weight",), "cols")
+            specs[ours + "attn.qkv.bias"] = Spec(tuple((att + f"{x}_proj.bias", n) for x, n in heads.items()), "rows")
+        specs[ours + "attn.o.weight"] = Spec(((att + "o_proj.weight", heads["q"]),), "cols")
         if layer.attn.o.bias is not None:
-            specs[ours + "attn.o.bias"] = Spec((att + "o_proj.bias",), "rep")
+            specs[ours + "attn.o.bias"] = rep(att + "o_proj.bias")
         if layer.attn.q_norm is not None:
-            specs[ours + "attn.q_norm.weight"] = Spec((att + "q_norm.weight",), "rep")
-            specs[ours + "attn.k_norm.weight"] = Spec((att + "k_norm.weight",), "rep")
-        specs[ours + "mlp.gate_up.weight"] = Spec((mlp + "gate_proj.weight", mlp + "up_proj.weight"), "rows")
+            specs[ours + "attn.q_norm.weight"] = rep(att + "q_norm.weight")
+            specs[ours + "attn.k_norm.weight"] = rep(att + "k_norm.weight")
+        specs[ours + "mlp.gate_up.weight"] = Spec(((mlp + "gate_proj.weight", inter), (mlp + "up_proj.weight", inter)), "rows")
         if layer.mlp.gate_up.bias is not None:
-            specs[ours + "mlp.gate_up.bias"] = Spec((mlp + "gate_proj.bias", mlp + "up_proj.bias"), "rows")
-        specs[ours + "mlp.down.weight"] = Spec((mlp + "down_proj.weight",), "cols")
+            specs[ours + "mlp.gate_up.bias"] = Spec(((mlp + "gate_proj.bias", inter), (mlp + "up_proj.bias", inter)), "rows")
+        specs[ours + "mlp.down.weight"] = Spec(((mlp + "down_proj.weight", inter),), "cols")
         if layer.mlp.down.bias is not None:
-            specs[ours + "mlp.down.bias"] = Spec((mlp + "down_proj.bias",), "rep")
+            specs[ours + "mlp.down.bias"] = rep(mlp + "down_proj.bias")
     names = {n for n, _ in model.named_parameters()}
     assert names == set(specs), f"parameters without a spec: {names ^ set(specs)}"
     return specs
@@ -127,31 +141,34 @@ class _Reader:
 
 @torch.no_grad()
 def load_shards(model: "TPDecoder", model_dir: str | Path) -> None:
-    """Fill every parameter of ``model`` with this rank's slice of the checkpoint."""
+    """Fill every parameter of ``model`` with this rank's slice of the checkpoint (zero padding)."""
     reader, shapes = _Reader(model_dir), full_shapes(model)
     tp, r = model.info.tp, model.info.tp_rank
     params = dict(model.named_parameters())
     for ours, spec in param_specs(model).items():
         param = params[ours]
-        if spec.mode == "rep":
-            local = reader.slice(spec.parts[0], shapes[spec.parts[0]])[:]
-        elif spec.mode == "cols":
-            n = shapes[spec.parts[0]][1] // tp
-            local = reader.slice(spec.parts[0], shapes[spec.parts[0]])[:, r * n:(r + 1) * n]
-        elif spec.mode == "rows":
-            pieces = []
-            for part in spec.parts:
-                n = shapes[part][0] // tp
-                pieces.append(reader.slice(part, shapes[part])[r * n:(r + 1) * n])
-            local = torch.cat(pieces, dim=0)
-        else:  # vocab
-            start, stop = model.vocab_start, min(model.vocab_start + model.vocab_local, model.arch.vocab_size)
-            local = torch.zeros(param.shape, dtype=param.dtype)
-            if stop > start:
-                local[: stop - start] = reader.slice(spec.parts[0], shapes[spec.parts[0]])[start:stop].to(param.dtype)
+        pieces = []
+        for name, padded in spec.parts:
+            sl = reader.slice(name, shapes[name])
+            if spec.mode == "rep":
+                pieces.append(sl[:])
+                continue
+            dim = 0 if spec.mode == "rows" else 1
+            real, n = shapes[name][dim], padded // tp
+            lo, hi = min(r * n, real), min((r + 1) * n, real)
+            shape = list(shapes[name])
+            shape[dim] = n
+            piece = torch.zeros(shape, dtype=param.dtype)
+            if hi > lo:
+                if dim == 0:
+                    piece[: hi - lo] = sl[lo:hi].to(param.dtype)
+                else:
+                    piece[:, : hi - lo] = sl[:, lo:hi].to(param.dtype)
+            pieces.append(piece)
+        local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
         if tuple(local.shape) != tuple(param.shape):
-            raise ValueError(f"{spec.parts} gave a local shard of shape {tuple(local.shape)} for {ours}, "
-                             f"expected {tuple(param.shape)}")
+            raise ValueError(f"{[p for p, _ in spec.parts]} gave a local shard of shape {tuple(local.shape)} "
+                             f"for {ours}, expected {tuple(param.shape)}")
         param.copy_(local.to(param.dtype))
 
 
@@ -171,13 +188,10 @@ def gather_hf_tensors(model: "TPDecoder") -> Iterator[tuple[str, torch.Tensor]]:
         if not leader:
             continue
         if spec.mode == "rep":
-            yield spec.parts[0], local.cpu()
-        elif spec.mode == "cols":
-            yield spec.parts[0], torch.cat(shards, dim=1).cpu()
-        elif spec.mode == "vocab":
-            yield spec.parts[0], torch.cat(shards, dim=0)[: model.arch.vocab_size].cpu()
-        else:
-            sizes = [shapes[p][0] // tp for p in spec.parts]
-            per_rank = [s.split(sizes, dim=0) for s in shards]
-            for j, part in enumerate(spec.parts):
-                yield part, torch.cat([pieces[j] for pieces in per_rank], dim=0).cpu()
+            yield spec.parts[0][0], local.cpu()
+            continue
+        dim = 0 if spec.mode == "rows" else 1
+        per_rank = [s.split([padded // tp for _, padded in spec.parts], dim=dim) for s in shards]
+        for j, (name, _) in enumerate(spec.parts):
+            full = torch.cat([pieces[j] for pieces in per_rank], dim=dim)
+            yield name, full.narrow(dim, 0, shapes[name][dim]).cpu()
