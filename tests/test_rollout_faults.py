@@ -1,0 +1,94 @@
+"""Faults on loopback with real processes: an engine killed mid-run, the rollout service killed
+(-9) and restarted (data cursor), and a buffer outage. No group is lost or duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import free_port
+from tests.test_rollout_support import stacks, tiny_model, write_prompts  # noqa: F401 (fixtures)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _positions(groups) -> list[int]:
+    return sorted(g.metadata["position"] for g in groups)
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_run_is_rerouted_and_restarted(tmp_path: Path, tiny_model, stacks) -> None:
+    s = stacks(tiny_model, {
+        "engines": {"backend": "reference", "count": 2, "base_port": free_port(), "health_interval_s": 0.5},
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 200))},
+        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 8,
+        "sampling": {"max_new_tokens": 24, "ignore_eos": True}}).start()
+    st = s.wait(lambda st: st["produced"] >= 2 and st["engines"][0]["in_flight"] > 0, what="engine 0 busy")
+    victim = st["engines"][0]
+    _kill(victim["pid"])
+    produced_at_kill = st["produced"]
+    st = s.wait(lambda st: st["engines"][0]["restarts"] == 1, timeout=60, what="engine 0 detected and restarted")
+    assert st["engines"][1]["healthy"]
+    st = s.wait(lambda st: st["engines"][0]["healthy"] and st["engines"][0]["pid"] != victim["pid"],
+                timeout=120, what="engine 0 healthy again")
+    served_before = st["engines"][0]["served"]
+    st = s.wait(lambda st: st["produced"] >= produced_at_kill + 6 and st["engines"][0]["served"] > served_before,
+                timeout=180, what="generation continues on both engines")
+    assert st["counts"]["samples_failed"] == 0  # the killed engine's requests were rerouted, not failed
+    assert "down" in s.rollout.log()
+    groups = s.lease_all()
+    assert len({g.group_id for g in groups}) == len(groups) >= produced_at_kill + 6
+    assert all(x.response_length == 24 and x.status == "truncated" for g in groups for x in g.samples)
+
+
+@pytest.mark.slow
+def test_rollout_killed_and_restarted_resumes_the_data_cursor(tmp_path: Path, tiny_model, stacks) -> None:
+    n = 14
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", n)), "epochs": 1, "seed": 11},
+        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4,
+        "sampling": {"max_new_tokens": 16, "ignore_eos": True}}).start()
+    st = s.wait(lambda st: st["produced"] >= 4 and st["groups_in_flight"] > 0, what="4 groups pushed")
+    engine_pids = [e["pid"] for e in st["engines"]]
+    s.rollout.kill9()  # no cleanup: in-flight groups are lost with the process
+    for pid in engine_pids:  # its engines were in their own sessions: end them by pid
+        _kill(pid)
+    s.start_rollout()
+    st = s.status()
+    assert st["data"]["watermark"] >= 4 or st["data"]["done_ahead"] > 0
+    s.wait(lambda st: st["data"]["watermark"] == n, timeout=240, what="the epoch finished")
+    groups = s.lease_all()
+    assert _positions(groups) == list(range(n))  # every prompt exactly once: none skipped, none repeated
+    assert len({g.group_id for g in groups}) == n
+
+
+@pytest.mark.slow
+def test_buffer_outage_loses_and_duplicates_nothing(tmp_path: Path, tiny_model, stacks) -> None:
+    n = 12
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", n)), "epochs": 1},
+        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4, "push_retry_max_s": 0.5,
+        "sampling": {"max_new_tokens": 12, "ignore_eos": True}}).start()
+    s.wait(lambda st: st["produced"] >= 2, what="first pushes")
+    s.buffer.kill9()
+    st = s.wait(lambda st: not st["push"]["buffer_up"] and st["push"]["pending"] > 0, timeout=120,
+                what="pushes held while the buffer is down")
+    time.sleep(1.0)
+    assert s.rollout.alive()
+    s.start_buffer()  # same port, same database
+    st = s.wait(lambda st: st["data"]["watermark"] == n and st["push"]["pending"] == 0, timeout=240,
+                what="everything pushed after recovery")
+    assert st["push"]["buffer_up"] and st["push"]["retries"] > 0
+    groups = s.lease_all()
+    assert _positions(groups) == list(range(n)) and len({g.group_id for g in groups}) == n
+    stats = s.buffer_stats()
+    assert stats["queued"] == 0 and stats["consumed"] == n
