@@ -23,8 +23,10 @@ default group. A plain ``init_process_group`` on the trainer side would not meet
 - every step (connect, begin, each bucket, end, verify, close) is bounded by ``timeout_s``; an
   engine that answers an error, drops the connection or does not answer in time raises
   ``WeightSyncError`` naming its URL. After a failed update the engines may hold partially
-  updated weights under the old version: do not resume generation; ``reconnect()`` and push the
-  whole update again, or stop the run. Never a silent mix of versions.
+  updated weights under the old version, so they are left inside their update session (where
+  neither SGLang nor the reference engine generates) and rank 0's group is torn down: do not
+  resume the rollout; ``reconnect()`` and push the whole update again (its first step ends the
+  stale sessions), or stop the run. Never a silent mix of versions.
 
 Backend "gloo" runs on CPU (tested here); "nccl" moves buckets to the current CUDA device (the same
 code path; needs GPUs, not tested on this machine).
@@ -257,6 +259,7 @@ class WeightSender:
                                   limits=httpx.Limits(max_connections=4 * len(self.engines) + 4))
         self._pg: dist.ProcessGroup | None = None
         self._joined = False  # the engines are in group ``group_name``
+        self._sessions_may_be_open = True  # a crashed predecessor or a failed update may have left one
         self._generation = 0
         self._broken: str | None = None
         self.group_name = group_name
@@ -379,14 +382,20 @@ class WeightSender:
         version = str(weight_version)
         t0 = time.monotonic()
         try:
+            if self._sessions_may_be_open:
+                self._end_stale_sessions()
             self._all("/begin_weight_update", {}, "begin_weight_update")
+            self._sessions_may_be_open = True
             buckets, nbytes = self._send_buckets(named_tensors, version)
             self._all("/end_weight_update", {}, "end_weight_update")
+            self._sessions_may_be_open = False
             self._verify(version)
         except WeightSyncError as exc:
+            # Engines keep their session open (SGLang and the reference engine generate nothing
+            # inside one) and rank 0's group is torn down, so an engine still waiting in a
+            # receive fails now instead of at its timeout. The next update ends those sessions.
             self._broken = str(exc)
-            self._drop_local_group()  # engines still waiting in a receive get an error now
-            self._end_quietly()
+            self._drop_local_group()
             raise WeightSyncError(
                 f"weight update to version {version} failed: {exc}. Engines may hold partially updated "
                 "weights under their old version: do not resume generation; reconnect() and push the "
@@ -443,9 +452,12 @@ class WeightSender:
                                   f"{version!r}): " + ", ".join(f"{u}: {v!r}" for u, v in wrong.items()),
                                   list(wrong))
 
-    def _end_quietly(self) -> None:
-        for e in self.engines:
-            _spawn(self._post, e.url, "/end_weight_update", {}, 5.0)
+    def _end_stale_sessions(self) -> None:
+        """End a session a failed update (or an earlier trainer) left open; engines without one
+        answer 400, which is fine. Errors here are ignored: begin reports a dead engine."""
+        futures = [_spawn(self._post, e.url, "/end_weight_update", {}, min(self.timeout_s, 30.0))
+                   for e in self.engines]
+        wait_futures(futures, timeout=min(self.timeout_s, 30.0) + 1)
 
     # -- HTTP --
 
