@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -38,6 +39,7 @@ from shared.config import BufferConfig
 from shared.schemas import LeaseRequest, PolicyVersionRequest
 
 T = TypeVar("T")
+log = logging.getLogger("headrace.buffer")
 _OPEN_PATHS = {"/health", "/metrics"}
 _EXPIRY_TICK_S = 0.5
 
@@ -57,6 +59,8 @@ class BufferService:
         self.metrics = BufferMetrics(self.stats)
         self.changed = asyncio.Condition()
         self.generation = 0  # bumped whenever groups may have become leasable
+        self.in_flight = 0  # HTTP requests being served
+        self.waiting = 0  # of which leases waiting for groups (housekeeping runs when no other is in flight)
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.db_thread, partial(fn, *args))
@@ -79,13 +83,23 @@ class BufferService:
         async with self.changed:
             self.changed.notify_all()
 
-    async def expiry_loop(self) -> None:
+    async def housekeeping(self) -> None:
+        """Expire lapsed leases; when no request is in flight, delete payloads of consumed groups."""
         assert self.store is not None
         while True:
             await asyncio.sleep(_EXPIRY_TICK_S)
-            nxt = self.store.next_expiry()
-            if nxt is not None and nxt < time.time() and await self.db(self.store.expire) > 0:
-                await self.notify()
+            try:
+                await self._housekeeping_once()
+            except Exception:  # keep the loop alive; the next tick retries
+                log.exception("buffer housekeeping failed")
+
+    async def _housekeeping_once(self) -> None:
+        assert self.store is not None
+        nxt = self.store.next_expiry()
+        if nxt is not None and nxt < time.time() and await self.db(self.store.expire) > 0:
+            await self.notify()
+        while self.store.to_purge and self.in_flight <= self.waiting:
+            await self.db(self.store.purge, 64)
 
     async def read_body(self, request: Request) -> bytes:
         length = request.headers.get("content-length")
@@ -131,7 +145,7 @@ def create_app(cfg: BufferConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await svc.start()
-        task = asyncio.create_task(svc.expiry_loop())
+        task = asyncio.create_task(svc.housekeeping())
         try:
             yield
         finally:
@@ -195,10 +209,13 @@ def create_app(cfg: BufferConfig) -> FastAPI:
             async with svc.changed:
                 if svc.generation != generation:
                     continue  # something changed while we were looking: look again
+                svc.waiting += 1
                 try:
                     await asyncio.wait_for(svc.changed.wait(), min(remaining, 1.0))
                 except asyncio.TimeoutError:
                     pass
+                finally:
+                    svc.waiting -= 1
 
     async def settle(request: Request, lease_id: str, action: str) -> Response:
         store = svc.store
@@ -269,9 +286,11 @@ class _Edge:
                                headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_status)
                 self._observe(scope, "unauthorized", status[0], t0)
                 return
+        self.svc.in_flight += 1
         try:
             await self.app(scope, receive, send_status)
         finally:
+            self.svc.in_flight -= 1
             route = getattr(scope.get("route"), "path", None) or "other"
             self._observe(scope, route, status[0], t0)
 

@@ -95,3 +95,21 @@ def test_ingest_msgpack_blobs_are_the_client_bytes_and_json_is_packed() -> None:
     with pytest.raises(wire.WireError) as e:
         parse_groups(msgpack.packb({"groups": groups, "extra": 1}), "application/msgpack")
     assert "extra" in e.value.message and e.value.groups == 2  # type: ignore[attr-defined]
+
+
+def test_payloads_of_consumed_and_evicted_groups_are_purged(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sqlite")
+    s = Store(path, capacity=100, max_staleness=0)
+    s.post([row("a", 1), row("b", 1), row("c", 0)])
+    lease = s.lease(1, 60, 1)
+    assert lease is not None
+    s.ack(lease.lease_id)
+    assert s.set_policy_version(1) == 1  # c evicted
+    blobs = lambda: s.db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]  # noqa: E731
+    assert blobs() == 3 and s.to_purge  # ack and eviction leave the payload for later
+    s.db.close()
+    s = Store(path, capacity=100, max_staleness=0)  # the purge queue survives a crash
+    assert s.to_purge and s.purge(1) == 1 and s.purge(10) == 1 and s.purge(10) == 0
+    assert blobs() == 1 and not s.to_purge
+    got = s.lease(1, 60, None)
+    assert got is not None and msgpack.unpackb(got.blobs[0])["group_id"] == "b"

@@ -1,0 +1,147 @@
+"""Buffer benchmark (not a test): ingest throughput against a bare endpoint, and lease+ack latency.
+
+In one run, on this machine:
+  (a) a bare FastAPI/uvicorn endpoint that only reads the request body (same uvicorn settings);
+  (b) `headrace buffer serve` (SQLite WAL file, synchronous=FULL): POST /v1/groups, then
+      lease + ack of 64 groups through ``shared.client.BufferClient`` (what the trainer does).
+Groups are 8 samples x 2,048 tokens (512 prompt + 1,536 response, with loss masks and rollout
+logprobs), sent as msgpack, several groups per request, each request with fresh ids. Rounds
+alternate between the two servers so background load hits both alike; the medians are compared.
+
+Targets (2-core dev machine): ingest >= 60% of the bare endpoint's bytes/s; lease+ack of 64
+groups < 200 ms median.
+
+    python bench/buffer_bench.py [--rounds 3] [--requests 12] [--groups-per-request 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import msgpack
+import numpy as np
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from shared.client import BufferClient  # noqa: E402
+from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
+
+PROMPT, RESPONSE, SAMPLES = 512, 1536, 8
+
+
+def bare_server(port: int) -> None:
+    """The baseline: read the body, answer its size."""
+    import uvicorn
+
+    app = FastAPI()
+
+    @app.post("/ingest")
+    async def ingest(request: Request) -> Response:
+        body = await request.body()
+        return Response(b'{"bytes":%d}' % len(body), media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def make_bodies(rng: np.random.Generator, tag: str, requests: int, per_request: int) -> list[bytes]:
+    bodies = []
+    for r in range(requests):
+        groups = []
+        for k in range(per_request):
+            gid = f"{tag}-{r}-{k}"
+            tokens = rng.integers(0, 150_000, size=(SAMPLES, PROMPT + RESPONSE)).tolist()
+            logprobs = (-rng.exponential(1.0, size=(SAMPLES, RESPONSE))).tolist()
+            groups.append({"group_id": gid, "samples": [
+                {"uid": f"{gid}/{i}", "group_id": gid, "index": i, "tokens": tokens[i], "response_length": RESPONSE,
+                 "loss_mask": [1] * RESPONSE, "rollout_logprobs": logprobs[i], "reward": float(i % 2),
+                 "weight_version": 0, "status": "completed"} for i in range(SAMPLES)]})
+        bodies.append(msgpack.packb({"groups": groups}))
+    return bodies
+
+
+def post_all(client: httpx.Client, url: str, bodies: list[bytes]) -> float:
+    """Send the bodies one after another; bytes per second."""
+    t0 = time.perf_counter()
+    for b in bodies:
+        r = client.post(url, content=b, headers={"content-type": "application/msgpack"})
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: {r.status_code} {r.text[:500]}")
+    return sum(map(len, bodies)) / (time.perf_counter() - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=12, help="requests per round")
+    ap.add_argument("--groups-per-request", type=int, default=8)
+    ap.add_argument("--lease-groups", type=int, default=64)
+    ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_server:
+        bare_server(args.bare_server)
+        return 0
+
+    rng = np.random.default_rng(0)
+    tmp = Path(tempfile.mkdtemp(prefix="buffer-bench-"))
+    bare_port, buf_port = free_port(), free_port()
+    bare = Proc([sys.executable, __file__, "--bare-server", str(bare_port)], tmp / "bare.log", env=child_env())
+    buf = Proc(headrace_cmd("buffer", "serve", "--port", str(buf_port), "--db", str(tmp / "bench.sqlite"),
+                            "--capacity", "1000000", "--max-body-mb", "512"), tmp / "buffer.log", env=child_env())
+    bare_url, buf_url = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{buf_port}"
+    try:
+        bare.wait_http(bare_url + "/health")
+        buf.wait_http(buf_url + "/health")
+        print(f"building {args.rounds} x {args.requests} requests of {args.groups_per_request} groups "
+              f"({SAMPLES} samples x {PROMPT + RESPONSE} tokens) ...", flush=True)
+        warm = make_bodies(rng, "warm", 2, args.groups_per_request)
+        rounds = [make_bodies(rng, f"r{i}", args.requests, args.groups_per_request) for i in range(args.rounds)]
+        mb = sum(map(len, rounds[0])) / 1e6
+        print(f"request body {len(rounds[0][0]) / 1e6:.2f} MB (msgpack), {mb:.1f} MB per round", flush=True)
+        bare_rates, buf_rates = [], []
+        with httpx.Client(timeout=120) as c:
+            post_all(c, bare_url + "/ingest", warm)
+            post_all(c, buf_url + "/v1/groups", warm)
+            for bodies in rounds:
+                bare_rates.append(post_all(c, bare_url + "/ingest", bodies))
+                buf_rates.append(post_all(c, buf_url + "/v1/groups", bodies))
+        bare_mbs, buf_mbs = statistics.median(bare_rates) / 1e6, statistics.median(buf_rates) / 1e6
+        ratio = buf_mbs / bare_mbs
+        groups_s = buf_mbs * 1e6 / (len(rounds[0][0]) / args.groups_per_request)
+        print(f"bare endpoint   : {bare_mbs:8.1f} MB/s  (rounds: {', '.join(f'{r / 1e6:.0f}' for r in bare_rates)})")
+        print(f"buffer ingest   : {buf_mbs:8.1f} MB/s  (rounds: {', '.join(f'{r / 1e6:.0f}' for r in buf_rates)}), "
+              f"{groups_s:.0f} groups/s")
+        print(f"ingest ratio    : {ratio:.2f} of the bare endpoint (target >= 0.60)")
+
+        lat = []
+        with BufferClient(buf_url) as client:
+            queued = client.stats().queued
+            for _ in range(queued // args.lease_groups):
+                t0 = time.perf_counter()
+                got = client.lease(args.lease_groups, lease_s=60)
+                assert got is not None and len(got.groups) == args.lease_groups
+                client.ack(got.lease_id)
+                lat.append(time.perf_counter() - t0)
+        med = statistics.median(lat) * 1000
+        print(f"lease+ack of {args.lease_groups} groups: median {med:.0f} ms over {len(lat)} "
+              f"(min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f}; client decodes and validates) (target < 200 ms)")
+        return 0
+    finally:
+        bare.stop()
+        buf.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
