@@ -3,7 +3,8 @@
 In one run, on this machine:
   (a) a bare FastAPI/uvicorn endpoint that only reads the request body (same uvicorn settings);
   (b) `headrace buffer serve` (SQLite WAL file, synchronous=FULL): POST /v1/groups, then
-      lease + ack of 64 groups through ``shared.client.BufferClient`` (what the trainer does).
+      lease + ack of 64 groups through ``shared.client.BufferClient`` (what the trainer does:
+      decode + validate the answer), with ``validate=False``, and the server alone.
 Groups are 8 samples x 2,048 tokens (512 prompt + 1,536 response, with loss masks and rollout
 logprobs), sent as msgpack, several groups per request, each request with fresh ids. Rounds
 alternate between the two servers so background load hits both alike; the medians are compared.
@@ -88,6 +89,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=12, help="requests per round")
     ap.add_argument("--groups-per-request", type=int, default=8)
     ap.add_argument("--lease-groups", type=int, default=64)
+    ap.add_argument("--lease-reps", type=int, default=3, help="lease+ack repetitions per mode")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
@@ -125,18 +127,37 @@ def main() -> int:
               f"{groups_s:.0f} groups/s")
         print(f"ingest ratio    : {ratio:.2f} of the bare endpoint (target >= 0.60)")
 
-        lat = []
-        with BufferClient(buf_url) as client:
+        # lease + ack: as the trainer does it (validated models), trusting the buffer (validate=False),
+        # and the server alone (answer bytes not decoded); alternating, fresh groups each time
+        modes = ("validated", "trusted", "server only")
+        need = args.lease_groups * args.lease_reps * len(modes)
+        with BufferClient(buf_url) as client, httpx.Client(timeout=120) as raw:
             queued = client.stats().queued
-            for _ in range(queued // args.lease_groups):
-                t0 = time.perf_counter()
-                got = client.lease(args.lease_groups, lease_s=60)
-                assert got is not None and len(got.groups) == args.lease_groups
-                client.ack(got.lease_id)
-                lat.append(time.perf_counter() - t0)
-        med = statistics.median(lat) * 1000
-        print(f"lease+ack of {args.lease_groups} groups: median {med:.0f} ms over {len(lat)} "
-              f"(min {min(lat) * 1000:.0f}, max {max(lat) * 1000:.0f}; client decodes and validates) (target < 200 ms)")
+            if queued < need:
+                extra = make_bodies(rng, "lease", -(-(need - queued) // args.groups_per_request), args.groups_per_request)
+                post_all(raw, buf_url + "/v1/groups", extra)
+            lat: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(args.lease_reps):
+                for mode in modes:
+                    t0 = time.perf_counter()
+                    if mode == "server only":
+                        r = raw.post(buf_url + "/v1/leases", json={"groups": args.lease_groups, "lease_s": 60},
+                                     headers={"accept": "application/msgpack"})
+                        assert r.status_code == 200
+                        lid = msgpack.Unpacker(raw=False)
+                        lid.feed(r.content[:200])
+                        lid.read_map_header()
+                        assert lid.unpack() == "lease_id"
+                        raw.post(f"{buf_url}/v1/leases/{lid.unpack()}/ack").raise_for_status()
+                    else:
+                        got = client.lease(args.lease_groups, lease_s=60, validate=mode == "validated")
+                        assert got is not None and len(got.groups) == args.lease_groups
+                        client.ack(got.lease_id)
+                    lat[mode].append(time.perf_counter() - t0)
+        for mode in modes:
+            xs = lat[mode]
+            print(f"lease+ack of {args.lease_groups} groups, {mode:11s}: median {statistics.median(xs) * 1000:5.0f} ms "
+                  f"(min {min(xs) * 1000:.0f}, max {max(xs) * 1000:.0f}, n={len(xs)}) (target < 200 ms)")
         return 0
     finally:
         bare.stop()

@@ -301,7 +301,11 @@ def test_sync_and_async_clients(buf: str) -> None:
         got = c.lease(2, lease_s=60)
         assert got is not None and [g.group_id for g in got.groups] == ["cl0", "cl1"]
         assert got.groups[0].samples[1].reward == 2.0
-        c.ack(got.lease_id)
+        c.release(got.lease_id)
+        trusted = c.lease(2, lease_s=60, validate=False)  # built without a second validation
+        assert trusted is not None and trusted.groups == got.groups
+        assert trusted.groups[1].weight_version == got.groups[1].weight_version
+        c.ack(trusted.lease_id)
         with pytest.raises(BufferError) as e:
             c.ack("missing")
         assert e.value.status == 404 and "missing" in e.value.message
