@@ -254,7 +254,8 @@ def create_app(cfg: BufferConfig) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> Response:
-        return wire.respond(svc.stats(), request.headers.get("accept"))
+        assert svc.store is not None
+        return wire.respond(await svc.db(svc.store.stats), request.headers.get("accept"))  # between transactions
 
     return _Edge(app, svc, cfg.token)  # type: ignore[return-value]
 
