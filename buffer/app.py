@@ -138,8 +138,8 @@ def _decode_model(model: Any, body: bytes, content_type: str | None) -> Any:
         raise wire.WireError(wire.format_validation_error(e)) from None
 
 
-def create_app(cfg: BufferConfig) -> FastAPI:
-    """The buffer's ASGI app; the store opens in its lifespan."""
+def create_app(cfg: BufferConfig) -> "_Edge":
+    """The buffer's ASGI app (FastAPI routes wrapped by ``_Edge``); the store opens in its lifespan."""
     svc = BufferService(cfg)
 
     @asynccontextmanager
@@ -257,7 +257,7 @@ def create_app(cfg: BufferConfig) -> FastAPI:
         assert svc.store is not None
         return wire.respond(await svc.db(svc.store.stats), request.headers.get("accept"))  # between transactions
 
-    return _Edge(app, svc, cfg.token)  # type: ignore[return-value]
+    return _Edge(app, svc, cfg.token)
 
 
 class _Edge:
