@@ -281,8 +281,9 @@ class RolloutLoop:
 
         samples = await asyncio.gather(*(one(i, t) for i, t in enumerate(items)))
         rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
-        return {"n": len(samples), "mean_reward": sum(rewards) / len(rewards),
-                "pass_at_1": sum(r >= 1.0 for r in rewards) / len(rewards),
+        mean = sum(rewards) / len(rewards)
+        pass1 = sum(r >= 1.0 for r in rewards) / len(rewards)
+        return {"n": len(samples), "score": pass1, "pass_at_1": pass1, "reward_mean": mean,
                 "failed": sum(s.status == SampleStatus.failed.value for s in samples),
                 "weight_version": min((s.weight_version for s in samples), default=self.gate.version)}
 

@@ -66,7 +66,7 @@ class MemoryRequest(_Body):
 
 
 class EvalRequest(_Body):
-    limit: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, description="first n held-out prompts (default all)")
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -234,7 +234,7 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
     @app.post("/v1/evaluate")
     async def evaluate(req: EvalRequest) -> dict[str, Any]:
         try:
-            return await svc.loop.evaluate(req.limit)
+            return await svc.loop.evaluate(req.n)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
 

@@ -92,3 +92,48 @@ def test_buffer_outage_loses_and_duplicates_nothing(tmp_path: Path, tiny_model, 
     assert _positions(groups) == list(range(n)) and len({g.group_id for g in groups}) == n
     stats = s.buffer_stats()
     assert stats["queued"] == 0 and stats["consumed"] == n
+
+
+GARBAGE_ENGINE = """
+import sys, uvicorn
+from fastapi import FastAPI
+app = FastAPI()
+@app.get("/health")
+async def health():
+    return {}
+@app.post("/generate")
+async def generate():
+    return {"output_ids": "not a list", "meta_info": {"finish_reason": "maybe"}}
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def test_engine_answering_garbage_fails_samples_and_the_service_keeps_running(tmp_path: Path, tiny_model,
+                                                                            stacks) -> None:
+    """A stand-in server that answers malformed /generate bodies: the only way to get garbage from an engine."""
+    import sys
+
+    from tests.procs import Proc, child_env
+
+    (tmp_path / "garbage.py").write_text(GARBAGE_ENGINE)
+    port = free_port()
+    garbage = Proc([sys.executable, str(tmp_path / "garbage.py"), str(port)], tmp_path / "garbage.log", env=child_env())
+    try:
+        garbage.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+        prompts = write_prompts(tmp_path / "p.jsonl", 3, lambda i: str(i))
+        with open(prompts, "a") as f:
+            f.write('{"prompt": "' + "1+" * 100 + '1=", "label": "101"}\n')
+        s = stacks(tiny_model, {
+            "engines": {"backend": "external", "urls": [f"http://127.0.0.1:{port}"]},
+            "data": {"path": str(prompts), "epochs": 1,
+                     "shuffle": False, "prompt_template": "{prompt}"},
+            "max_prompt_length": 64, "n_samples_per_prompt": 2, "mode": "on_demand"}).start()
+        r = s.post("/v1/generate_batch", {"groups": 4}).json()
+        assert (r["groups"], r["data_exhausted"]) == (0, True)
+        st = s.status()
+        assert st["counts"]["groups_failed"] == 4 and st["counts"]["samples_failed"] == 8
+        assert "unusable body" in s.rollout.log()
+        assert "> rollout.max_prompt_length 64" in s.rollout.log()  # the long prompt failed before any engine call
+        assert s.get("/health")["status"] == "ok"
+    finally:
+        garbage.stop()

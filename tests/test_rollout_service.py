@@ -117,3 +117,18 @@ def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_
     # drain mode: returns when running requests finished
     r = s.post("/v1/pause", {"mode": "drain"})
     assert r.status_code == 200 and s.status()["in_flight"] == 0
+
+
+def test_reasoning_gym_task_source_reward_and_evaluate(tmp_path: Path, tiny_model, stacks) -> None:
+    s = stacks(tiny_model, {
+        "data": {"task": "chain_sum", "size": 50, "eval_size": 6,
+                 "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+        "n_samples_per_prompt": 3, "mode": "on_demand", "reward": "reasoning_gym_binary",
+        "sampling": {"max_new_tokens": 4}}).start()
+    assert s.post("/v1/generate_batch", {"groups": 2}).json()["groups"] == 2
+    for g in s.lease_all():
+        for x in g.samples:
+            assert x.label["task"] == "chain_sum" and x.reward in (0.0, 1.0) and x.status != "failed"
+    ev = s.post("/v1/evaluate", {"n": 4}).json()
+    assert ev["n"] == 4 and 0.0 <= ev["score"] <= 1.0 and ev["failed"] == 0
+    assert s.buffer_stats()["queued"] == 0  # evaluation pushes nothing
