@@ -99,7 +99,8 @@ def test_tokenizer_digits_roundtrip_and_specials(tmp_path: Path) -> None:
     assert specials[0] == tok.convert_tokens_to_ids("<|im_start|>")
     assert specials[-2:] == [tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id]
     # the engine and trainer rely on compact prompts: a chain_sum question is short
-    assert len(tok("State the final answer to the following arithmetic problem: 3 + 4 =")["input_ids"]) <= 16
+    q = "State the final answer to the following arithmetic problem: 3 + 4 ="
+    assert len(tok(q)["input_ids"]) == 7 and tok.decode(tok(q)["input_ids"]) == q
 
 
 def test_chat_template_renders(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ Guarantees:
   English). It is the same for every call and every preset: the corpus comes from a fixed seed.
 - Every digit is its own token (digits are split before BPE, so no merge can join two digits),
   and any text round-trips (byte-level alphabet: nothing is unknown).
+- The instruction phrase of reasoning-gym's arithmetic tasks (``PHRASES``) is one (non-special)
+  token; the total vocabulary is exactly ``VOCAB_SIZE`` = 512.
 - The special tokens are ``<|endoftext|>`` (id 0; eos and pad), ``<|im_start|>`` (1) and
   ``<|im_end|>`` (2), with a ChatML chat template.
 - ``load_tokenizer(dir)`` builds a ``PreTrainedTokenizerFast`` from ``tokenizer.json`` directly, never
@@ -28,6 +30,10 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END]
 VOCAB_SIZE = 512
+# Whole phrases that get one token each: the fixed instruction of reasoning-gym's arithmetic tasks.
+# Real tokenizers have long tokens for frequent text; this keeps the demo's prompts ~10 tokens long,
+# which halves the cost of every rollout and training step on a CPU.
+PHRASES = ["State the final answer to the following arithmetic problem:"]
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -87,7 +93,7 @@ def corpus(lines: int = 4000, seed: int = 1234) -> Iterator[str]:
 
 def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> "Tokenizer":
     """Train the preset tokenizer (deterministic; about a tenth of a second)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -96,12 +102,13 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> "Tokenizer":
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(PHRASES),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in PHRASES])
     return tok
 
 
