@@ -15,14 +15,14 @@ app = typer.Typer(no_args_is_help=True, add_completion=False)
 
 @app.command("serve")
 def serve(
-    host: Optional[str] = typer.Option(None, help="interface to bind [default: 127.0.0.1]"),
-    port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port [default: 8100]"),
-    db: Optional[str] = typer.Option(None, help="SQLite database file (durable; WAL mode) [default: ./buffer.sqlite]"),
+    host: Optional[str] = typer.Option(None, help="interface to bind (default 127.0.0.1)"),
+    port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port (default 8100)"),
+    db: Optional[str] = typer.Option(None, help="SQLite database file (durable; WAL mode) (default ./buffer.sqlite)"),
     memory: bool = typer.Option(False, "--memory", help="in-memory store: faster, not durable"),
-    capacity: Optional[int] = typer.Option(None, min=1, help="max queued + leased groups (429 beyond) [default: 4096]"),
-    max_staleness: Optional[int] = typer.Option(None, min=0, help="policy versions a group may lag before eviction [default: 1]"),
+    capacity: Optional[int] = typer.Option(None, min=1, help="max queued + leased groups (429 beyond) (default 4096)"),
+    max_staleness: Optional[int] = typer.Option(None, min=0, help="policy versions a group may lag before eviction (default 1)"),
     token: Optional[str] = typer.Option(None, envvar="HEADRACE_BUFFER_TOKEN", help="bearer token for data endpoints"),
-    max_body_mb: Optional[float] = typer.Option(None, min=0.001, help="largest request body in MiB (413 beyond) [default: 64]"),
+    max_body_mb: Optional[float] = typer.Option(None, min=0.001, help="largest request body in MiB (413 beyond) (default 64)"),
     log_level: str = typer.Option("warning", help="uvicorn log level"),
 ) -> None:
     """Serve the buffer HTTP API."""

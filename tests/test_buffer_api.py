@@ -344,8 +344,10 @@ def test_capacity_429_retry_after_and_client_honours_it(tmp_path: Path) -> None:
         with BufferClient(url, retries=20, max_backoff_s=0.5) as c:
             t = threading.Thread(target=lambda: out.setdefault("res", c.post_groups([make_group("c2"), make_group("c3")])))
             t.start()
-            while stats(url)["throttled"] < 2:
+            deadline = time.monotonic() + 60
+            while stats(url)["throttled"] < 2 and time.monotonic() < deadline:  # the client was refused once
                 time.sleep(0.05)
+            assert t.is_alive()  # ... and is waiting to retry
             lid = lease(url, 2).json()["lease_id"]
             assert httpx.post(f"{url}/v1/leases/{lid}/ack").status_code == 200
             t.join(60)
