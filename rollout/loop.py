@@ -214,8 +214,11 @@ class RolloutLoop:
         """Keep ``backlog`` = buffer queued + leased (continuous mode's admission input)."""
         while True:
             try:
+                # Pushes that land while the stats request is in flight may or may not be counted
+                # by it: add them anyway, so the figure errs high and admission never overshoots.
+                before = self.counts["groups_pushed"]
                 st = await self.buffer.stats()
-                self.backlog = st.queued + st.leased
+                self.backlog = st.queued + st.leased + (self.counts["groups_pushed"] - before)
                 self._wake.set()
             except Exception as e:  # noqa: BLE001 - buffer down: keep the last figure
                 log.debug("buffer stats unavailable: %s", e)

@@ -132,3 +132,29 @@ def test_reasoning_gym_task_source_reward_and_evaluate(tmp_path: Path, tiny_mode
     ev = s.post("/v1/evaluate", {"n": 4}).json()
     assert ev["n"] == 4 and 0.0 <= ev["score"] <= 1.0 and ev["failed"] == 0
     assert s.buffer_stats()["queued"] == 0  # evaluation pushes nothing
+
+
+def test_continuous_admission_keeps_queued_plus_in_flight_within_the_staleness_window(
+        tmp_path: Path, tiny_model, stacks) -> None:
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 100))},
+        "n_samples_per_prompt": 2, "groups_per_step": 2, "stats_interval_s": 0.2,
+        "sampling": {"max_new_tokens": 4}}, max_staleness=1).start()
+    cap = (1 + 1) * 2
+    s.wait(lambda st: st["produced"] >= cap, what="the window filled")
+    import time
+
+    for _ in range(10):  # it stays full and stops there
+        st = s.status()
+        b = s.buffer_stats()
+        assert b["queued"] + b["leased"] + st["groups_in_flight"] <= cap
+        time.sleep(0.2)
+    assert st["produced"] == cap and st["admission_cap"] == cap
+    from shared.client import BufferClient
+
+    with BufferClient(s.buffer_url) as c:  # the trainer takes one step: the window reopens by 2
+        lease = c.lease(2, wait_s=0)
+        c.ack(lease.lease_id)
+    s.wait(lambda st: st["produced"] == cap + 2, what="two more groups")
+    time.sleep(1.0)
+    assert s.status()["produced"] == cap + 2
