@@ -381,3 +381,23 @@ def test_body_limit_413_and_bearer_token_401(tmp_path: Path) -> None:
         assert e.value.status == 401
     finally:
         proc.stop()
+
+
+def test_client_retries_until_the_buffer_is_up(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, Any] = {}
+    with BufferClient(url, retries=60, backoff_s=0.1, max_backoff_s=0.5) as c:
+        assert not c.health()
+        t = threading.Thread(target=lambda: out.setdefault("res", c.post_groups([make_group("early")])))
+        t.start()  # connection refused: the client backs off and retries
+        proc, _ = start_buffer(tmp_path, "--memory", port=port)
+        try:
+            t.join(60)
+            assert out["res"].accepted == 1
+            assert c.stats().queued == 1
+        finally:
+            proc.stop()
+    with BufferClient(url, retries=1, backoff_s=0.01) as c, pytest.raises(BufferError) as e:
+        c.stats()  # down again: a clear error after the retries, no hang
+    assert e.value.status == 0 and "no answer" in str(e.value)
