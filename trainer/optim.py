@@ -4,8 +4,8 @@ Guarantees:
 - ``allreduce_grads`` sums gradients over the DP group (the loss is already normalised by
   batch-global counts, so a sum — not a mean — makes DP=N equal DP=1), in flat buckets.
 - ``clip_grad_norm`` computes the global L2 norm of the *whole* model: tensor-parallel shards
-  (parameters with ``tensor_model_parallel = True``, megatron-core's attribute) are summed over the
-  TP group, replicated parameters are counted once (on TP rank 0). Every rank gets the same norm
+  (per the model's parameter specs, see ``tp_sharded``) are summed over the TP group, replicated
+  parameters are counted once (on TP rank 0). Every rank gets the same norm
   and the same clip factor. A non-finite norm is reported, never applied: the caller skips the step.
 - The schedule is linear warmup to ``lr`` over ``warmup_steps``, then constant or cosine decay to
   ``min_lr`` at ``total_steps``; it advances once per training step.
@@ -97,13 +97,35 @@ def allreduce_grads(model: nn.Module, dp_group: dist.ProcessGroup | None, dp: in
         flush()
 
 
-def grad_norm(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None, tp: int, tp_rank: int) -> float:
+def tp_sharded(model: nn.Module) -> set[int]:
+    """``id`` of every parameter that is split over TP ranks (the rest are replicated).
+
+    Read from the model's load/export specs (``trainer.model.loading.param_specs``) when it has
+    them, else from megatron-core's ``tensor_model_parallel`` attribute (which megatron only sets
+    when it initialises the weights itself).
+    """
+    try:
+        from trainer.model.loading import param_specs
+
+        specs = param_specs(model)  # type: ignore[arg-type]
+    except Exception:  # not our TPDecoder (tests, other models): fall back to the attribute
+        specs = None
+    out = set()
+    for name, p in model.named_parameters():
+        if (specs[name].mode != "rep") if specs is not None else getattr(p, "tensor_model_parallel", False):
+            out.add(id(p))
+    return out
+
+
+def grad_norm(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None, tp: int, tp_rank: int,
+              sharded: set[int] | None = None) -> float:
     """Global L2 norm of the gradients of a TP-sharded model (see the module docstring)."""
     sq = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is None:
             continue
-        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+        is_shard = id(p) in sharded if sharded is not None else getattr(p, "tensor_model_parallel", False)
+        if is_shard or tp_rank == 0:
             sq += p.grad.detach().to(torch.float64).square().sum()
     if tp > 1:
         dist.all_reduce(sq, group=tp_group)
@@ -114,7 +136,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float, tp_group: dist.ProcessGrou
                    tp_rank: int) -> float:
     """Clip gradients to ``max_norm`` (0 disables clipping); returns the norm before clipping."""
     ps = _params_with_grads(model)
-    norm = grad_norm(ps, tp_group, tp, tp_rank)
+    norm = grad_norm(ps, tp_group, tp, tp_rank, tp_sharded(model) if tp > 1 else None)
     if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in ps:
