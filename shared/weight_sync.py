@@ -180,6 +180,14 @@ def destroy_update_group(pg: dist.ProcessGroup | None) -> None:
         dist.destroy_process_group(pg)
 
 
+def _destroy_last_refs(refs: list[Any]) -> None:
+    """Destroy a group and drop the last references to it and its in-flight work, so its sockets
+    close (peers still waiting in a receive then fail) in this thread, not the caller's."""
+    pg, refs[0] = refs[0], None
+    refs.clear()
+    destroy_update_group(pg)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -258,6 +266,7 @@ class WeightSender:
         self._http = httpx.Client(headers=headers, timeout=self.timeout_s,
                                   limits=httpx.Limits(max_connections=4 * len(self.engines) + 4))
         self._pg: dist.ProcessGroup | None = None
+        self._inflight: Any = None  # the broadcast of the current bucket (a torch Work)
         self._joined = False  # the engines are in group ``group_name``
         self._sessions_may_be_open = True  # a crashed predecessor or a failed update may have left one
         self._generation = 0
@@ -278,6 +287,7 @@ class WeightSender:
         if self._joined:
             return
         self.group_name = self._unused_group_name()
+        self._destroy_stale_groups()
         port = self.master_port or free_port("" if self.master_address not in ("127.0.0.1", "localhost") else "127.0.0.1")
         futures = {
             e.url: _spawn(self._post, e.url, "/init_weights_update_group", {
@@ -297,6 +307,14 @@ class WeightSender:
         self._broken = None
         log.info("weight-sync group %s: %d ranks, %d engines, port %d", self.group_name, self.world_size,
                  len(self.engines), port)
+
+    def _destroy_stale_groups(self) -> None:
+        """A trainer that crashed (or a sender abandoned after a failure) leaves its group on the
+        engines, and an engine refuses to join a second one of the same name: destroy it first.
+        Engines without such a group answer 400, which is fine; a dead engine fails the init."""
+        futures = [_spawn(self._post, e.url, "/destroy_weights_update_group", {"group_name": self.group_name},
+                          min(self.timeout_s, 30.0)) for e in self.engines]
+        wait_futures(futures, timeout=min(self.timeout_s, 30.0) + 1)
 
     def _unused_group_name(self) -> str:
         """The base name, or the first ``<base>_r<n>`` this process has no group of (a group left by
@@ -336,9 +354,11 @@ class WeightSender:
         waits in. After a failure its last collective may still wait for a dead or hung peer, so
         then it is destroyed in the background (bounded by the group timeout)."""
         pg, self._pg = self._pg, None
+        inflight, self._inflight = self._inflight, None
         if pg is None:
             return
-        done = _spawn(destroy_update_group, pg)
+        done = _spawn(_destroy_last_refs, [pg, inflight])
+        del pg, inflight
         if not self._broken:
             done.result()
         else:
@@ -421,9 +441,9 @@ class WeightSender:
         while True:
             next_items = next(plan, None)
             last = next_items is None
-            futures, work = self._start_bucket(*current, version if last else None)
+            futures = self._start_bucket(*current, version if last else None)
             following = None if last else (next_items, flatten_bucket(next_items, device))  # overlaps the broadcast
-            self._await(futures, f"bucket {count} ({len(current[0])} tensors)", work=work)
+            self._await(futures, f"bucket {count} ({len(current[0])} tensors)", broadcast=True)
             count += 1
             nbytes += current[1].numel() * current[1].element_size()
             if following is None:
@@ -431,7 +451,7 @@ class WeightSender:
             current = following
 
     def _start_bucket(self, items: list[tuple[str, torch.Tensor]], flat: torch.Tensor,
-                      version: str | None) -> tuple[dict[str, Future], Any]:
+                      version: str | None) -> dict[str, Future]:
         body: dict[str, Any] = {
             "names": [n for n, _ in items], "dtypes": [dtype_name(flat.dtype)] * len(items),
             "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
@@ -440,8 +460,9 @@ class WeightSender:
             body["weight_version"] = version
         futures = {e.url: _spawn(self._post, e.url, "/update_weights_from_distributed", body)
                    for e in self.engines}
-        work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
-        return futures, work
+        # kept on self, not in a local: a traceback must not keep the group's sockets alive
+        self._inflight = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+        return futures
 
     def _verify(self, version: str) -> None:
         futures = {e.url: _spawn(self._weight_version, e.url) for e in self.engines}
@@ -498,16 +519,17 @@ class WeightSender:
 
     # -- waiting --
 
-    def _await(self, futures: dict[str, Future], what: str, *, work: Any = None, local: Future | None = None) -> None:
-        """Wait for every engine's answer (and the local broadcast ``work`` or ``local`` future),
+    def _await(self, futures: dict[str, Future], what: str, *, broadcast: bool = False,
+               local: Future | None = None) -> None:
+        """Wait for every engine's answer (and the in-flight broadcast or the ``local`` future),
         raising WeightSyncError at the first failure or after ``timeout_s``."""
         deadline = time.monotonic() + self.timeout_s
         pending = dict(futures)
         while True:
             waiting = list(pending.values()) + ([local] if local is not None else [])
             if waiting:
-                wait_futures(waiting, timeout=0.002 if work is not None else 0.05, return_when="FIRST_COMPLETED")
-            elif work is not None:
+                wait_futures(waiting, timeout=0.002 if broadcast else 0.05, return_when="FIRST_COMPLETED")
+            elif broadcast:
                 time.sleep(0.0005)
             for url, fut in list(pending.items()):
                 if fut.done():
@@ -520,13 +542,13 @@ class WeightSender:
                 if exc is not None:
                     self._raise_with_culprits(pending, f"{what}: trainer rank 0 failed: {exc}", deadline)
                 local = None
-            if work is not None and work.is_completed():
+            if broadcast and self._inflight.is_completed():
                 try:
-                    work.wait()
+                    self._inflight.wait()
                 except Exception as exc:  # noqa: BLE001 - gloo/nccl errors name no engine
                     self._raise_with_culprits(pending, f"{what}: broadcast failed: {exc}", deadline)
-                work = None
-            if not pending and work is None and local is None:
+                broadcast, self._inflight = False, None
+            if not pending and not broadcast and local is None:
                 return
             if time.monotonic() > deadline:
                 urls = list(pending) or [e.url for e in self.engines]
