@@ -133,12 +133,10 @@ def load_checkpoint(st: TrainerState, path: str | Path) -> dict[str, Any]:
 def export_hf(st: TrainerState, out_dir: str | Path, source_dir: str | Path) -> Path:
     """Write the current policy as a Hugging Face directory (config + tokenizer from ``source_dir``).
 
-    Collective over all ranks; DP rank 0's TP group gathers and writes, other DP ranks wait.
+    Collective over all ranks (``trainer.hf_io.save_hf``: DP rank 0's TP group gathers, rank 0 writes).
     """
     from trainer.hf_io import save_hf
 
     out = Path(out_dir)
-    if st.info.dp_rank == 0:
-        save_hf(st.model, out, source_dir)
-    _barrier()
+    save_hf(st.model, out, source_dir)
     return out
