@@ -125,8 +125,12 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
     includes the first ``eos_id``. Returns (response ids, logprobs of each sampled token under the
     distribution actually sampled from, i.e. after temperature).
     """
+    import inspect
+
     import torch
 
+    # transformers >= 5.2x names the KV cache argument ``cache``; older releases ``past_key_values``
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     with torch.no_grad():
@@ -134,7 +138,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
             ids = torch.tensor([list(prompts[i]) for i in idx], dtype=torch.long)
             done = torch.zeros(len(idx), dtype=torch.bool)
             out = model(input_ids=ids, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :].float()
+            past, logits = getattr(out, cache_arg), out.logits[:, -1, :].float()
             for _step in range(max_new_tokens):
                 if temperature > 0:
                     lp = torch.log_softmax(logits / temperature, dim=-1)
@@ -150,8 +154,8 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: in
                 done |= tok == eos_id
                 if bool(done.all()):
                     break
-                out = model(input_ids=tok[:, None], past_key_values=past, use_cache=True)
-                past, logits = out.past_key_values, out.logits[:, -1, :].float()
+                out = model(input_ids=tok[:, None], use_cache=True, **{cache_arg: past})
+                past, logits = getattr(out, cache_arg), out.logits[:, -1, :].float()
     return responses, logprobs
 
 
