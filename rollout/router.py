@@ -69,13 +69,15 @@ class LeastInFlight:
 class SGLangRouter:
     """An sglang-router process in front of the engines; workers managed with POST/DELETE /workers."""
 
-    def __init__(self, fleet: "Fleet", python: str | None, port: int, log_dir: Path) -> None:
+    def __init__(self, fleet: "Fleet", python: str | None, port: int, log_dir: Path,
+                 args: list[str] | None = None) -> None:
         from rollout.fleet import Engine
 
         self.fleet = fleet
         self.python = python or sys.executable
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
+        self.args = list(args or [])
         self.log_path = log_dir / "sglang-router.log"
         self.proc: subprocess.Popen[bytes] | None = None
         # The router looks like one engine to the generation code; its in_flight counts all requests.
@@ -83,7 +85,11 @@ class SGLangRouter:
         self.engine.healthy = True
 
     async def start(self) -> None:
-        cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port)]
+        from rollout.fleet import free_port
+
+        # its Prometheus exporter binds a fixed port (29000) by default: give it a free one
+        cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,

@@ -100,7 +100,7 @@ class RolloutService:
         await self.fleet.start()
         if rc.router == "sglang":
             self.router: LeastInFlight | SGLangRouter = SGLangRouter(
-                self.fleet, rc.engines.python, rc.engines.router_port or free_port(), self.log_dir)
+                self.fleet, rc.engines.python, rc.engines.router_port or free_port(), self.log_dir, rc.router_args)
             self.fleet.on_replaced = self.router.engine_replaced
         else:
             self.router = LeastInFlight(self.fleet)
@@ -167,6 +167,7 @@ class RolloutService:
         return {
             "weight_version": self.gate.version, "paused": self.gate.paused, "mode": self.cfg.rollout.mode,
             "run_id": self.run_id, "engines": [e.status() for e in self.fleet.engines],
+            "router": getattr(self.router, "url", "builtin"),
             "in_flight": self.gate.in_flight, "groups_in_flight": loop.groups_in_flight,
             "produced": loop.counts["groups_pushed"], "counts": loop.counts,
             "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},

@@ -109,6 +109,7 @@ class RolloutConfig(_Section):
     port: int = Field(default=8200, ge=0, le=65535)
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
     router: Literal["builtin", "sglang"] = Field(default="builtin", description="least-in-flight or sglang-router")
+    router_args: list[str] = Field(default_factory=list, description="extra sglang-router arguments (router: sglang)")
     data: DataConfig = Field(default_factory=DataConfig)
     n_samples_per_prompt: int = Field(default=8, ge=1, le=1024, description="samples per group")
     groups_per_step: int = Field(default=16, ge=1, le=100_000, description="groups the trainer takes per step")
