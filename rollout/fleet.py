@@ -140,6 +140,7 @@ class Fleet:
         repo = str(Path(__file__).resolve().parents[1])
         if self.cfg.backend == "reference":
             env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.update(self.cfg.env)
         return env
 
     def _launch(self, e: Engine) -> None:

@@ -54,6 +54,8 @@ class EnginesConfig(_Section):
     count: int = Field(default=1, ge=1, le=1024, description="engines to launch (reference / sglang)")
     python: str | None = Field(default=None, description="python of the SGLang venv (backend sglang)")
     args: list[str] = Field(default_factory=list, description="extra server arguments")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines "
+                                "(e.g. SGLANG_USE_CPU_ENGINE: '1')")
     urls: list[str] = Field(default_factory=list, description="engine URLs (backend external)")
     tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel size of each engine")
     base_port: int = Field(default=30000, ge=1024, le=65000, description="first port for launched engines")
