@@ -15,7 +15,39 @@ def train(
     rollout_url: Optional[str] = typer.Option(None, help="rollout URL; without it, train-only mode"),
 ) -> None:
     """Lease groups from the buffer, train, bump the policy version, ack."""
-    raise typer.Exit("headrace train: not implemented yet")
+    import os
+    import sys
+    from pathlib import Path
+
+    from shared.config import ConfigError, load_config, save_config
+
+    try:
+        cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": rollout_url})
+    except ConfigError as e:
+        typer.echo(f"headrace train: {e}", err=True)
+        raise typer.Exit(2) from None
+    t = cfg.trainer
+    world = t.tp * t.dp
+    threads = t.threads or max(1, (os.cpu_count() or 1) // world)
+    save_config(cfg, Path(cfg.run.out) / "trainer_config.yaml")
+    from trainer.launch import spawn
+    from trainer.loop import run_training_from_dict
+
+    mode = f"rollout at {rollout_url}" if rollout_url else "train-only (no rollout URL)"
+    typer.echo(f"headrace train: {world} rank(s) (tp={t.tp} dp={t.dp}, {threads} thread(s) each), "
+               f"buffer {cfg.buffer.url}, {mode}", err=True)
+    try:
+        results = spawn(run_training_from_dict, world, cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url,
+                        timeout_s=365 * 24 * 3600.0, threads=threads)
+    except (RuntimeError, TimeoutError) as e:
+        text = str(e).rstrip()
+        last = text.splitlines()[-1] if text else repr(e)
+        print(text, file=sys.stderr)
+        typer.echo(f"headrace train: failed: {last}", err=True)
+        raise typer.Exit(1) from None
+    r = results[0]
+    typer.echo(f"headrace train: done at step {r['step']}, policy version {r['policy_version']}, "
+               f"{r['groups_consumed']} groups consumed", err=True)
 
 
 @model_app.command("logprobs")
