@@ -53,6 +53,27 @@ def _child(rank: int, env: dict[str, str], payload: bytes, results: Any) -> None
         results.join_thread()
 
 
+def _failure_report(rank: int, tb: str, procs: list[Any], results: Any, fn: Any) -> str:
+    """Message for a failed job. A rank that crashed makes its peers fail in their next collective
+    ("connection closed by peer"), and that error can arrive first: so wait a moment and name a
+    rank that died without a result as the cause, before the first traceback."""
+    world = len(procs)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.05)
+    reported = {rank}
+    try:
+        while True:
+            r, _, _ = results.get_nowait()
+            reported.add(r)
+    except (queue.Empty, OSError, ValueError):
+        pass
+    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode not in (None, 0)]
+    head = "".join(f"rank {r} of {world} exited with code {procs[r].exitcode} without a result "
+                   f"(running {getattr(fn, '__qualname__', fn)}); " for r in dead)
+    return f"{head}rank {rank} of {world} failed:\n{tb}"
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600,
           threads: int = 1, env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` processes; return their results in rank order."""
@@ -91,7 +112,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
                 else:
                     continue
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{data}")
+                raise RuntimeError(_failure_report(rank, data, procs, results, fn))
             out[rank] = pickle.loads(data)
         for p in procs:
             p.join(30)

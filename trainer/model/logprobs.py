@@ -7,7 +7,7 @@ Each TP rank holds logits for a contiguous slice of the vocabulary, ``[T, V_loca
     S      = sum_v exp(z_v - m)             (all-reduce SUM)
     logZ   = m + log S
     logp_t = z_target - logZ                (z_target picked on the owning rank, all-reduce SUM)
-    H      = logZ - sum_v p_v z_v           (sum_v exp(z_v - m) z_v all-reduced with S)
+    H      = log S - E_p[z - m]             (sum_v exp(z_v - m) (z_v - m) all-reduced with S)
 
 so the forward costs one MAX and one SUM all-reduce of [T]-sized tensors, never [T, V]. The
 backward needs no communication: d logp_t / dz = onehot(target) - p and
@@ -45,20 +45,22 @@ class _VocabParallelLogprob(torch.autograd.Function):
         n_local = z.shape[-1]
         m = z.max(dim=-1).values if n_local else z.new_full(z.shape[:-1], float("-inf"))
         _all_reduce(m, dist.ReduceOp.MAX, group)
-        e = torch.exp(z - m.unsqueeze(-1))
+        zs = z - m.unsqueeze(-1)                                        # shifted: better-conditioned sums
+        e = torch.exp(zs)
         local_t = targets - vocab_start
         owned = (local_t >= 0) & (local_t < n_local)
         idx = local_t.clamp(0, max(n_local - 1, 0)).unsqueeze(-1)
         zt = torch.where(owned, z.gather(-1, idx).squeeze(-1), torch.zeros_like(m)) if n_local else torch.zeros_like(m)
-        sums = torch.stack([e.sum(-1), zt, (e * z).sum(-1) if with_entropy else torch.zeros_like(m)])
+        sums = torch.stack([e.sum(-1), zt, (e * zs).sum(-1) if with_entropy else torch.zeros_like(m)])
         _all_reduce(sums, dist.ReduceOp.SUM, group)
         s, zt, ez = sums[0], sums[1], sums[2]
         log_z = m + torch.log(s)
         logp = zt - log_z
         p = e.div_(s.unsqueeze(-1))
         if with_entropy:
-            mean_z = ez / s                                   # E_p[z]
-            ent = log_z - mean_z
+            mean_zs = ez / s                                  # E_p[z - m]
+            ent = torch.log(s) - mean_zs
+            mean_z = m + mean_zs
         else:
             mean_z = ent = torch.zeros(0, dtype=z.dtype, device=z.device)
         ctx.save_for_backward(p, logits if with_entropy else p.new_zeros(0), local_t, owned, mean_z)
