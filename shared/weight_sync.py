@@ -123,14 +123,23 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
             yield items
 
 
-def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One 1-D tensor: the bucket's tensors flattened and concatenated in order, on ``device``."""
+def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device | str = "cpu",
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """One 1-D tensor: the bucket's tensors flattened and concatenated in order, on ``device``.
+    A lone tensor is returned as a flat view when it is already there; otherwise the result is
+    written into the front of ``out`` when given (1-D, same dtype and device, large enough)."""
     dtypes = {t.dtype for _, t in bucket}
     if len(dtypes) != 1:
         raise ValueError(f"a flat bucket holds one dtype, got {sorted(map(dtype_name, dtypes))}")
-    if len(bucket) == 1:
-        return bucket[0][1].detach().reshape(-1).to(device).contiguous()
-    return torch.cat([t.detach().reshape(-1).to(device) for _, t in bucket])
+    parts = [t.detach().reshape(-1).to(device) for _, t in bucket]
+    if len(parts) == 1:
+        return parts[0].contiguous()
+    n = sum(p.numel() for p in parts)
+    if out is None:
+        return torch.cat(parts)
+    if out.dim() != 1 or out.dtype != parts[0].dtype or out.device != parts[0].device or out.numel() < n:
+        raise ValueError("flatten_bucket: out must be a 1-D tensor of the bucket's dtype and device, large enough")
+    return torch.cat(parts, out=out[:n])
 
 
 def unflatten_bucket(flat: torch.Tensor, names: Sequence[str],
@@ -267,6 +276,7 @@ class WeightSender:
                                   limits=httpx.Limits(max_connections=4 * len(self.engines) + 4))
         self._pg: dist.ProcessGroup | None = None
         self._inflight: Any = None  # the broadcast of the current bucket (a torch Work)
+        self._pack_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # freed after each update
         self._joined = False  # the engines are in group ``group_name``
         self._sessions_may_be_open = True  # a crashed predecessor or a failed update may have left one
         self._generation = 0
@@ -401,25 +411,33 @@ class WeightSender:
             raise WeightSyncError("weight sync is not connected: call connect() first")
         version = str(weight_version)
         t0 = time.monotonic()
+        plan = plan_buckets(named_tensors, self.bucket_bytes)
+        first = next(plan, None)  # before the session opens: an empty update changes nothing
+        if first is None:
+            raise ValueError("update() got no tensors")
         try:
             if self._sessions_may_be_open:
                 self._end_stale_sessions()
             self._all("/begin_weight_update", {}, "begin_weight_update")
             self._sessions_may_be_open = True
-            buckets, nbytes = self._send_buckets(named_tensors, version)
+            buckets, nbytes = self._send_buckets(first, plan, version)
             self._all("/end_weight_update", {}, "end_weight_update")
             self._sessions_may_be_open = False
             self._verify(version)
-        except WeightSyncError as exc:
+        except BaseException as exc:
             # Engines keep their session open (SGLang and the reference engine generate nothing
             # inside one) and rank 0's group is torn down, so an engine still waiting in a
             # receive fails now instead of at its timeout. The next update ends those sessions.
-            self._broken = str(exc)
+            self._broken = f"{type(exc).__name__}: {exc}"
             self._drop_local_group()
+            if not isinstance(exc, WeightSyncError):
+                raise
             raise WeightSyncError(
                 f"weight update to version {version} failed: {exc}. Engines may hold partially updated "
                 "weights under their old version: do not resume generation; reconnect() and push the "
                 "whole update again, or stop the run.", exc.urls) from exc
+        finally:
+            self._pack_buffers.clear()
         dt = time.monotonic() - t0
         self.last_stats = {"buckets": buckets, "bytes": nbytes, "seconds": dt,
                            "gbytes_per_s": nbytes / dt / 1e9 if dt > 0 else 0.0}
@@ -430,25 +448,36 @@ class WeightSender:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _send_buckets(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> tuple[int, int]:
+    def _send_buckets(self, items: list[tuple[str, torch.Tensor]],
+                      plan: Iterator[list[tuple[str, torch.Tensor]]], version: str) -> tuple[int, int]:
         device = self._device()
-        plan = plan_buckets(named_tensors, self.bucket_bytes)
-        items = next(plan, None)
-        if items is None:
-            raise ValueError("update() got no tensors")
-        current = (items, flatten_bucket(items, device))
+        current = (items, self._pack(items, device, 0))
         count = nbytes = 0
         while True:
             next_items = next(plan, None)
             last = next_items is None
             futures = self._start_bucket(*current, version if last else None)
-            following = None if last else (next_items, flatten_bucket(next_items, device))  # overlaps the broadcast
+            # packing the next bucket (into the other buffer) overlaps this bucket's broadcast
+            following = None if last else (next_items, self._pack(next_items, device, (count + 1) % 2))
             self._await(futures, f"bucket {count} ({len(current[0])} tensors)", broadcast=True)
             count += 1
             nbytes += current[1].numel() * current[1].element_size()
             if following is None:
                 return count, nbytes
             current = following
+
+    def _pack(self, items: list[tuple[str, torch.Tensor]], device: torch.device, slot: int) -> torch.Tensor:
+        """Flatten into one of two reusable buffers per dtype (double buffering: one in flight, one
+        being packed), so an update of many buckets touches fresh memory only twice."""
+        dtype = items[0][1].dtype
+        need = sum(t.numel() for _, t in items)
+        if len(items) == 1:
+            return flatten_bucket(items, device)
+        buf = self._pack_buffers.get((slot, dtype))
+        if buf is None or buf.numel() < need or buf.device != device:
+            cap = max(need, self.bucket_bytes // max(1, items[0][1].element_size()))
+            buf = self._pack_buffers[(slot, dtype)] = torch.empty(cap, dtype=dtype, device=device)
+        return flatten_bucket(items, device, out=buf)
 
     def _start_bucket(self, items: list[tuple[str, torch.Tensor]], flat: torch.Tensor,
                       version: str | None) -> dict[str, Future]:

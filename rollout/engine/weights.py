@@ -6,7 +6,9 @@ with SGLang 0.5.23's HTTP semantics.
   served by rank 0, ``PrefixStore(group_name)``, a new non-default group) and receives either one
   broadcast per tensor from rank 0 in ``names`` order, or one flat tensor
   (``load_format="flattened_bucket"``: the tensors flattened and concatenated in ``names`` order,
-  all of one dtype). Every call blocks; HTTP handlers run them in a worker thread.
+  all of one dtype; received into a buffer kept per dtype while the group lives, so the returned
+  views are valid until the next receive). Every call blocks; HTTP handlers run them in a worker
+  thread.
 - ``WeightUpdateService`` is the state machine behind the five endpoints, minus HTTP:
   ``/update_weights_from_distributed`` outside a ``/begin_weight_update`` ... ``/end_weight_update``
   session is a 400; updates are serialised; the engine's ``weight_version`` changes only when an
@@ -48,6 +50,7 @@ class WeightReceiver:
         self.tp_rank = tp_rank
         self.group_name: str | None = None
         self._pg: dist.ProcessGroup | None = None
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def connected(self) -> bool:
@@ -66,7 +69,9 @@ class WeightReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                 load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
-        """Receive the tensors rank 0 broadcasts for this request, in ``names`` order."""
+        """Receive the tensors rank 0 broadcasts for this request, in ``names`` order. Flattened
+        buckets come back as views of a receive buffer reused by the next call: copy them (as
+        ``load_weights`` does) before receiving again."""
         if self._pg is None:
             raise RuntimeError("not in a weight-update group: call init_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -81,7 +86,7 @@ class WeightReceiver:
             if len(set(torch_dtypes)) != 1:
                 raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(map(str, dtypes)))}")
             total = sum(_numel(s) for s in shapes)
-            flat = torch.empty(total, dtype=torch_dtypes[0], device=self.device)
+            flat = self._buffer(torch_dtypes[0], total)
             dist.broadcast(flat, src=0, group=self._pg)
             return unflatten_bucket(flat, names, shapes)
         if load_format not in (None, "auto"):
@@ -92,8 +97,21 @@ class WeightReceiver:
             w.wait()
         return out
 
+    def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """The front of a receive buffer kept per dtype (grown as needed), so a many-bucket update
+        does not fault in fresh pages for every bucket."""
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+        return buf[:numel]
+
+    def release_buffers(self) -> None:
+        """Free the receive buffers (they are also freed by destroy())."""
+        self._buffers.clear()
+
     def destroy(self) -> None:
         """Leave and destroy the group (no-op when not in one)."""
+        self._buffers.clear()
         pg, self._pg = self._pg, None
         self.group_name = None
         destroy_update_group(pg)

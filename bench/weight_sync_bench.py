@@ -1,0 +1,219 @@
+"""Weight-sync bandwidth: WeightSender pushing a SmolLM2-135M-sized model (134.5M parameters, fp32,
+538 MB; 272 tensors) from this process (trainer rank 0) to 2 engines, against a raw
+torch.distributed broadcast of the same bytes as one flat tensor from this process to 2 plain
+receiver processes, in the same run and on the same loopback (gloo).
+
+What is timed:
+- ours: one whole ``WeightSender.update`` (begin session, every bucket's HTTP metadata + broadcast,
+  the engines' load of each bucket into their model, end session, weight_version check);
+- raw: ``dist.broadcast`` of one preallocated flat tensor of the same size, then a barrier so the
+  receivers have it (the limit of this machine; nothing is loaded anywhere).
+Runs alternate (raw, then each bucket size) ``--repeats`` times. The machine is shared, so the
+fastest repeat of each is the primary figure (the uncontended cost); medians are printed too.
+
+    python bench/weight_sync_bench.py                      # 2 reference engines (headrace engine serve)
+    python bench/weight_sync_bench.py --target receiver    # 2 standalone receivers (no model)
+
+Prints one line per bucket size with seconds, GB/s and the ratio ours/raw bandwidth (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SMOL = dict(vocab=49152, hidden=576, inter=1536, layers=30, heads=9, kv_heads=3, head_dim=64)
+
+
+def smollm2_shapes() -> list[tuple[str, list[int]]]:
+    """HF names and shapes of SmolLM2-135M (Llama, tied embeddings)."""
+    s = SMOL
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    out = [("model.embed_tokens.weight", [s["vocab"], s["hidden"]])]
+    for i in range(s["layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", [q, s["hidden"]]), (p + "self_attn.k_proj.weight", [kv, s["hidden"]]),
+                (p + "self_attn.v_proj.weight", [kv, s["hidden"]]), (p + "self_attn.o_proj.weight", [s["hidden"], q]),
+                (p + "mlp.gate_proj.weight", [s["inter"], s["hidden"]]), (p + "mlp.up_proj.weight", [s["inter"], s["hidden"]]),
+                (p + "mlp.down_proj.weight", [s["hidden"], s["inter"]]),
+                (p + "input_layernorm.weight", [s["hidden"]]), (p + "post_attention_layernorm.weight", [s["hidden"]])]
+    return out + [("model.norm.weight", [s["hidden"]])]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
+               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    import httpx
+
+    from shared.weight_sync import free_port
+
+    procs, urls = [], []
+    for i in range(n):
+        port = free_port()
+        if target == "reference":
+            cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port),
+                   "--threads", "1", "--weight-sync-timeout", "600"]
+        else:
+            cmd = [sys.executable, "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", "600"]
+        log = open(logdir / f"{target}{i}.log", "ab")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+                                      start_new_session=True))
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 300
+    for p, url in zip(procs, urls):
+        while True:
+            if p.poll() is not None:
+                raise RuntimeError(f"{url} exited with {p.returncode}; see {logdir}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} not healthy after 300 s; see {logdir}")
+            time.sleep(0.2)
+    return procs, urls
+
+
+def _raw_receiver(port: int, rank: int, world: int, numel: int, reps: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from shared.weight_sync import join_update_group
+
+    torch.set_num_threads(1)
+    pg = join_update_group("127.0.0.1", port, rank, world, "raw_bench", "gloo", 600)
+    flat = torch.empty(numel, dtype=torch.float32)
+    for _ in range(reps):
+        dist.broadcast(flat, src=0, group=pg)
+        dist.barrier(group=pg)
+    dist.destroy_process_group(pg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", choices=["reference", "receiver"], default="reference")
+    ap.add_argument("--model", type=Path, default=None, help="SmolLM2-135M HF dir (default: make one with init_model)")
+    ap.add_argument("--buckets-mb", default="16,32,64,256")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "weight_sync")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from shared.weight_sync import EngineTarget, WeightSender, free_port, join_update_group
+
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    model_dir = None
+    if args.target == "reference":
+        model_dir = args.model or args.out / "smollm2-135m"
+        if not (model_dir / "model.safetensors").exists():
+            from shared.modelzoo import init_model
+            print(f"writing SmolLM2-135M to {model_dir} ...", flush=True)
+            init_model("smollm2-135m", model_dir)
+        from safetensors.torch import load_file
+        state = load_file(str(model_dir / "model.safetensors"))
+        names = [n for n, _ in smollm2_shapes()]
+        tensors = [(n, state[n].float().contiguous()) for n in names]
+    else:
+        g = torch.Generator().manual_seed(0)
+        tensors = [(n, torch.randn(s, generator=g)) for n, s in smollm2_shapes()]
+    numel = sum(t.numel() for _, t in tensors)
+    nbytes = numel * 4
+    print(f"{len(tensors)} tensors, {numel / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
+          f"{args.engines} {args.target} engines, {os.cpu_count()} CPUs", flush=True)
+
+    buckets = [int(float(b) * (1 << 20)) for b in args.buckets_mb.split(",")]
+    procs, urls = start_engines(args.target, model_dir, args.engines, args.out)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    world = 1 + args.engines
+    raw_procs = [ctx.Process(target=_raw_receiver, args=(port, r, world, numel, args.repeats)) for r in range(1, world)]
+    old_env = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    os.environ.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE")
+    for p in raw_procs:
+        p.start()
+    for k, v in old_env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    sender = None
+    try:
+        raw_pg = join_update_group("127.0.0.1", port, 0, world, "raw_bench", "gloo", 600)
+        flat = torch.cat([t.reshape(-1) for _, t in tensors])
+        sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=max(buckets), timeout_s=600)
+        sender.connect()
+        sender.update(tensors, weight_version=0)  # warm-up: first touch of every buffer on both sides
+        times: dict[str, list[float]] = {"raw": []}
+        version = 0
+        for rep in range(args.repeats):
+            t0 = time.perf_counter()
+            dist.broadcast(flat, src=0, group=raw_pg)
+            dist.barrier(group=raw_pg)
+            times["raw"].append(time.perf_counter() - t0)
+            for b in buckets:
+                version += 1
+                sender.bucket_bytes = b
+                t0 = time.perf_counter()
+                sender.update(tensors, weight_version=version)
+                times.setdefault(f"{b >> 20}MB", []).append(time.perf_counter() - t0)
+            print(f"repeat {rep}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+        dist.destroy_process_group(raw_pg)
+        for p in raw_procs:
+            p.join(60)
+    finally:
+        if sender is not None:
+            sender.shutdown()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for p in raw_procs:
+            if p.is_alive():
+                p.terminate()
+
+    # The machine is shared: a run can be slowed 3x by other processes. The fastest of the repeats
+    # estimates the uncontended cost (the primary figure); medians are printed too.
+    raw_min, raw_med = min(times["raw"]), statistics.median(times["raw"])
+    rows = []
+    print(f"\nraw broadcast of one flat tensor: best {raw_min:.2f} s = {nbytes / raw_min / 1e9:.2f} GB/s, "
+          f"median {raw_med:.2f} s")
+    print(f"{'bucket':>8} {'best s':>7} {'GB/s':>6} {'ratio':>6} {'median s':>9} {'ratio':>6}")
+    for key, vals in times.items():
+        if key == "raw":
+            continue
+        best, med = min(vals), statistics.median(vals)
+        rows.append({"bucket": key, "best_s": best, "median_s": med, "gb_per_s": nbytes / best / 1e9,
+                     "ratio_best": raw_min / best, "ratio_median": raw_med / med, "all_s": vals})
+        print(f"{key:>8} {best:7.2f} {nbytes / best / 1e9:6.2f} {raw_min / best:6.2f} {med:9.2f} {raw_med / med:6.2f}")
+    top = max(rows, key=lambda r: r["ratio_best"])
+    print(f"\nbest: {top['bucket']} buckets at {top['ratio_best']:.0%} of raw bandwidth (target >= 80%)")
+    result = {"target": args.target, "engines": args.engines, "bytes": nbytes, "tensors": len(tensors),
+              "raw_s": times["raw"], "raw_best_s": raw_min, "rows": rows, "cpus": os.cpu_count()}
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
