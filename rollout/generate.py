@@ -98,8 +98,11 @@ class EngineClient:
 
     async def _once(self, input_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError."""
-        await self.gate.wait_open()
-        engine = await self.router.pick()
+        while True:  # no await between the last gate check and enter(): a pause never misses us
+            await self.gate.wait_open()
+            engine = await self.router.pick()
+            if not self.gate.paused:
+                break
         version = self.gate.version
         engine.in_flight += 1
         self.gate.enter()
