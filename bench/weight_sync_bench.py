@@ -57,7 +57,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path,
+                  in_place: bool = False) -> tuple[list[subprocess.Popen], list[str]]:
     import httpx
 
     from shared.weight_sync import free_port
@@ -70,6 +71,7 @@ def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path) -> 
                    "--threads", "1", "--weight-sync-timeout", "600"]
         else:
             cmd = [sys.executable, "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", "600"]
+            cmd += ["--in-place"] if in_place else []
         log = open(logdir / f"{target}{i}.log", "ab")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
                                       start_new_session=True))
@@ -112,6 +114,10 @@ def main() -> None:
     ap.add_argument("--buckets-mb", default="16,32,64,256")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engines", type=int, default=2)
+    ap.add_argument("--load-format", choices=["flattened_bucket", "per_tensor"], default="flattened_bucket",
+                    help="one flat tensor per bucket, or one broadcast per tensor (SGLang's default)")
+    ap.add_argument("--in-place", action="store_true",
+                    help="receiver target, per_tensor: receive straight into the stored tensors (no load copy)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "weight_sync")
     args = ap.parse_args()
 
@@ -139,10 +145,11 @@ def main() -> None:
     numel = sum(t.numel() for _, t in tensors)
     nbytes = numel * 4
     print(f"{len(tensors)} tensors, {numel / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
-          f"{args.engines} {args.target} engines, {os.cpu_count()} CPUs", flush=True)
+          f"{args.engines} {args.target} engines, {args.load_format}{' in place' if args.in_place else ''}, "
+          f"{os.cpu_count()} CPUs", flush=True)
 
     buckets = [int(float(b) * (1 << 20)) for b in args.buckets_mb.split(",")]
-    procs, urls = start_engines(args.target, model_dir, args.engines, args.out)
+    procs, urls = start_engines(args.target, model_dir, args.engines, args.out, args.in_place)
     ctx = mp.get_context("spawn")
     port = free_port()
     world = 1 + args.engines
@@ -160,7 +167,8 @@ def main() -> None:
     try:
         raw_pg = join_update_group("127.0.0.1", port, 0, world, "raw_bench", "gloo", 600)
         flat = torch.cat([t.reshape(-1) for _, t in tensors])
-        sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=max(buckets), timeout_s=600)
+        sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=max(buckets), timeout_s=600,
+                              load_format=None if args.load_format == "per_tensor" else args.load_format)
         sender.connect()
         sender.update(tensors, weight_version=0)  # warm-up: first touch of every buffer on both sides
         times: dict[str, list[float]] = {"raw": []}
@@ -210,7 +218,8 @@ def main() -> None:
         print(f"{key:>8} {best:7.2f} {nbytes / best / 1e9:6.2f} {raw_min / best:6.2f} {med:9.2f} {raw_med / med:6.2f}")
     top = max(rows, key=lambda r: r["ratio_best"])
     print(f"\nbest: {top['bucket']} buckets at {top['ratio_best']:.0%} of raw bandwidth (target >= 80%)")
-    result = {"target": args.target, "engines": args.engines, "bytes": nbytes, "tensors": len(tensors),
+    result = {"target": args.target, "engines": args.engines, "load_format": args.load_format,
+              "in_place": args.in_place, "bytes": nbytes, "tensors": len(tensors),
               "raw_s": times["raw"], "raw_best_s": raw_min, "rows": rows, "cpus": os.cpu_count()}
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
 

@@ -247,7 +247,8 @@ class WeightSender:
     def __init__(self, engines: Sequence[EngineTarget], *, backend: str = "gloo",
                  group_name: str = "headrace_weights", master_address: str = "127.0.0.1",
                  master_port: int | None = None, bucket_bytes: int = 256 << 20,
-                 timeout_s: float = 300.0, token: str | None = None) -> None:
+                 timeout_s: float = 300.0, token: str | None = None,
+                 load_format: str | None = FLATTENED) -> None:
         self.engines = [e if isinstance(e, EngineTarget) else EngineTarget(**e) for e in engines]
         if not self.engines:
             raise ValueError("WeightSender needs at least one engine")
@@ -260,6 +261,9 @@ class WeightSender:
             raise ValueError("group_name must not be empty")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if load_format not in (FLATTENED, None):
+            raise ValueError(f"load_format must be {FLATTENED!r} or None (one broadcast per tensor), got {load_format!r}")
+        self.load_format = load_format
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.backend, self.base_group_name = backend, group_name
@@ -275,7 +279,7 @@ class WeightSender:
         self._http = httpx.Client(headers=headers, timeout=self.timeout_s,
                                   limits=httpx.Limits(max_connections=4 * len(self.engines) + 4))
         self._pg: dist.ProcessGroup | None = None
-        self._inflight: Any = None  # the broadcast of the current bucket (a torch Work)
+        self._inflight: list[Any] = []  # the broadcasts of the current bucket (torch Work objects)
         self._pack_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # freed after each update
         self._joined = False  # the engines are in group ``group_name``
         self._sessions_may_be_open = True  # a crashed predecessor or a failed update may have left one
@@ -364,7 +368,7 @@ class WeightSender:
         waits in. After a failure its last collective may still wait for a dead or hung peer, so
         then it is destroyed in the background (bounded by the group timeout)."""
         pg, self._pg = self._pg, None
-        inflight, self._inflight = self._inflight, None
+        inflight, self._inflight = self._inflight, []
         if pg is None:
             return
         done = _spawn(_destroy_last_refs, [pg, inflight])
@@ -461,36 +465,40 @@ class WeightSender:
             following = None if last else (next_items, self._pack(next_items, device, (count + 1) % 2))
             self._await(futures, f"bucket {count} ({len(current[0])} tensors)", broadcast=True)
             count += 1
-            nbytes += current[1].numel() * current[1].element_size()
+            nbytes += sum(t.numel() * t.element_size() for t in current[1])
             if following is None:
                 return count, nbytes
             current = following
 
-    def _pack(self, items: list[tuple[str, torch.Tensor]], device: torch.device, slot: int) -> torch.Tensor:
-        """Flatten into one of two reusable buffers per dtype (double buffering: one in flight, one
-        being packed), so an update of many buckets touches fresh memory only twice."""
+    def _pack(self, items: list[tuple[str, torch.Tensor]], device: torch.device, slot: int) -> list[torch.Tensor]:
+        """The tensors to broadcast for a bucket: its tensors themselves (per-tensor mode, no copy
+        when contiguous on ``device``), or one flat tensor packed into one of two reusable buffers
+        per dtype (double buffering: one in flight, one being packed), so an update of many
+        buckets touches fresh memory only twice."""
+        if self.load_format is None:
+            return [t.detach().to(device).contiguous() for _, t in items]
         dtype = items[0][1].dtype
         need = sum(t.numel() for _, t in items)
         if len(items) == 1:
-            return flatten_bucket(items, device)
+            return [flatten_bucket(items, device)]
         buf = self._pack_buffers.get((slot, dtype))
         if buf is None or buf.numel() < need or buf.device != device:
             cap = max(need, self.bucket_bytes // max(1, items[0][1].element_size()))
             buf = self._pack_buffers[(slot, dtype)] = torch.empty(cap, dtype=dtype, device=device)
-        return flatten_bucket(items, device, out=buf)
+        return [flatten_bucket(items, device, out=buf)]
 
-    def _start_bucket(self, items: list[tuple[str, torch.Tensor]], flat: torch.Tensor,
+    def _start_bucket(self, items: list[tuple[str, torch.Tensor]], payload: list[torch.Tensor],
                       version: str | None) -> dict[str, Future]:
         body: dict[str, Any] = {
-            "names": [n for n, _ in items], "dtypes": [dtype_name(flat.dtype)] * len(items),
+            "names": [n for n, _ in items], "dtypes": [dtype_name(t.dtype) for _, t in items],
             "shapes": [list(t.shape) for _, t in items], "group_name": self.group_name,
-            "load_format": FLATTENED, "flush_cache": version is not None}
+            "load_format": self.load_format, "flush_cache": version is not None}
         if version is not None:
             body["weight_version"] = version
         futures = {e.url: _spawn(self._post, e.url, "/update_weights_from_distributed", body)
                    for e in self.engines}
         # kept on self, not in a local: a traceback must not keep the group's sockets alive
-        self._inflight = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+        self._inflight = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in payload]
         return futures
 
     def _verify(self, version: str) -> None:
@@ -571,12 +579,13 @@ class WeightSender:
                 if exc is not None:
                     self._raise_with_culprits(pending, f"{what}: trainer rank 0 failed: {exc}", deadline)
                 local = None
-            if broadcast and self._inflight.is_completed():
+            if broadcast and all(w.is_completed() for w in self._inflight):
                 try:
-                    self._inflight.wait()
+                    for w in self._inflight:
+                        w.wait()
                 except Exception as exc:  # noqa: BLE001 - gloo/nccl errors name no engine
                     self._raise_with_culprits(pending, f"{what}: broadcast failed: {exc}", deadline)
-                broadcast, self._inflight = False, None
+                broadcast, self._inflight = False, []
             if not pending and not broadcast and local is None:
                 return
             if time.monotonic() > deadline:

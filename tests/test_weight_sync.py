@@ -22,9 +22,9 @@ from shared.weight_sync import (EngineTarget, WeightSender, WeightSyncError, eng
 from tests.procs import Proc, child_env, free_port
 
 
-def start_receiver(tmp: Path, name: str, timeout_s: float = 60.0) -> tuple[Proc, str]:
+def start_receiver(tmp: Path, name: str, timeout_s: float = 60.0, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc(["python", "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", str(timeout_s)],
+    proc = Proc(["python", "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", str(timeout_s), *extra],
                 tmp / f"{name}.log", env=child_env(1))
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health", timeout=90)
@@ -115,6 +115,23 @@ def test_update_reaches_every_engine_exactly(receivers: list[str]) -> None:
     with WeightSender([EngineTarget(u) for u in receivers], timeout_s=60) as again:
         again.update(model_tensors(12), weight_version=3)
     assert all(version(u) == "3" for u in receivers)
+
+
+def test_per_tensor_mode_into_an_in_place_receiver(receivers: list[str], tmp_path: Path) -> None:
+    """load_format=None: one broadcast per tensor; the in-place receiver writes into its own
+    tensors from the second update on (the first creates them); a plain one copies."""
+    proc, url = start_receiver(tmp_path, "in_place", 60.0, "--in-place")
+    try:
+        with WeightSender([EngineTarget(url), EngineTarget(receivers[0])], bucket_bytes=64 << 10,
+                          timeout_s=60, load_format=None) as sender:
+            for v, seed in ((1, 30), (2, 31)):
+                tensors = model_tensors(seed)
+                sender.update(tensors, weight_version=v)
+                want = {n: tensor_digest(t) for n, t in tensors}
+                assert digests(url) == want and digests(receivers[0]) == want
+                assert version(url) == version(receivers[0]) == str(v)
+    finally:
+        proc.stop()
 
 
 def test_update_outside_session_is_400(receivers: list[str]) -> None:

@@ -68,10 +68,17 @@ class WeightReceiver:
         self.group_name = group_name
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
-        """Receive the tensors rank 0 broadcasts for this request, in ``names`` order. Flattened
-        buckets come back as views of a receive buffer reused by the next call: copy them (as
-        ``load_weights`` does) before receiving again."""
+                load_format: str | None = None,
+                dest: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Receive the tensors rank 0 broadcasts for this request, in ``names`` order. They come
+        back as views of a receive buffer (one per dtype) that the next call reuses: copy them (as
+        ``load_weights`` does) before receiving again.
+
+        ``dest`` (per-tensor mode only): ``dest(name)`` may return the engine's own tensor for that
+        name; when it is contiguous with the announced dtype, shape and device the tensor is
+        received straight into it (no load copy; the returned pair holds that very tensor, so a
+        loader can skip it by ``data_ptr``). Only inside an update session: a failed receive then
+        leaves those weights partially written, like any failed update."""
         if self._pg is None:
             raise RuntimeError("not in a weight-update group: call init_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -91,7 +98,21 @@ class WeightReceiver:
             return unflatten_bucket(flat, names, shapes)
         if load_format not in (None, "auto"):
             raise ValueError(f"unsupported load_format {load_format!r} (None or {FLATTENED!r})")
-        out = [(n, torch.empty(list(s), dtype=d, device=self.device)) for n, d, s in zip(names, torch_dtypes, shapes)]
+        totals: dict[torch.dtype, int] = {}
+        for d, shape in zip(torch_dtypes, shapes):
+            totals[d] = totals.get(d, 0) + _numel(shape)
+        flats = {d: self._buffer(d, n) for d, n in totals.items()}
+        offsets = dict.fromkeys(totals, 0)
+        out = []
+        for name, d, shape in zip(names, torch_dtypes, shapes):
+            n = _numel(shape)
+            own = dest(name) if dest is not None else None
+            if (own is not None and own.dtype == d and list(own.shape) == list(shape) and own.is_contiguous()
+                    and own.device == self.device):
+                out.append((name, own))
+                continue
+            out.append((name, flats[d][offsets[d]:offsets[d] + n].view(*shape)))
+            offsets[d] += n
         works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in out]
         for w in works:
             w.wait()
@@ -131,8 +152,10 @@ class WeightUpdateService:
     one receive buffer) and keep generation away from half-loaded weights."""
 
     def __init__(self, load_weights: LoadFn, *, weight_version: str = "default",
-                 device: str | torch.device = "cpu", tp_rank: int = 0, timeout_s: float = 300.0) -> None:
+                 device: str | torch.device = "cpu", tp_rank: int = 0, timeout_s: float = 300.0,
+                 dest: Callable[[str], torch.Tensor | None] | None = None) -> None:
         self.load_weights = load_weights
+        self.dest = dest
         self.weight_version = weight_version
         self.receiver = WeightReceiver(device, tp_rank)
         self.timeout_s = timeout_s
@@ -171,7 +194,8 @@ class WeightUpdateService:
                 return 400, _fail(f"group {group!r} not initialized (have {self.receiver.group_name!r}); "
                                   "call init_weights_update_group first")
             try:
-                tensors = self.receiver.receive(body["names"], body["dtypes"], body["shapes"], body.get("load_format"))
+                tensors = self.receiver.receive(body["names"], body["dtypes"], body["shapes"], body.get("load_format"),
+                                                dest=self.dest)
                 self.load_weights(tensors)
             except Exception as exc:  # noqa: BLE001 - answered to the caller
                 return 400, _fail(f"Failed to update parameter online: {type(exc).__name__}: {exc}. The weights "
@@ -226,8 +250,10 @@ def add_weight_routes(app: Any, service: WeightUpdateService) -> None:
     route("/destroy_weights_update_group", service.destroy)
 
 
-def make_receiver_app(tensors: dict[str, torch.Tensor] | None = None, *, timeout_s: float = 300.0) -> Any:
-    """A standalone receiver: a FastAPI app whose "model" is a dict of tensors (tests, benchmarks)."""
+def make_receiver_app(tensors: dict[str, torch.Tensor] | None = None, *, timeout_s: float = 300.0,
+                      in_place: bool = False) -> Any:
+    """A standalone receiver: a FastAPI app whose "model" is a dict of tensors (tests, benchmarks).
+    ``in_place``: per-tensor updates are received straight into the stored tensors."""
     from fastapi import FastAPI
 
     store: dict[str, torch.Tensor] = {} if tensors is None else tensors
@@ -235,12 +261,14 @@ def make_receiver_app(tensors: dict[str, torch.Tensor] | None = None, *, timeout
     def load(named: list[tuple[str, torch.Tensor]]) -> None:
         for name, t in named:
             dst = store.get(name)
+            if dst is not None and dst.data_ptr() == t.data_ptr() and dst.shape == t.shape:
+                continue  # received in place
             if dst is not None and dst.shape == t.shape and dst.dtype == t.dtype:
                 dst.copy_(t)
             else:
                 store[name] = t.clone()
 
-    service = WeightUpdateService(load, timeout_s=timeout_s)
+    service = WeightUpdateService(load, timeout_s=timeout_s, dest=store.get if in_place else None)
     app = FastAPI(title="headrace weight receiver")
     app.state.service, app.state.tensors = service, store
     add_weight_routes(app, service)
@@ -273,10 +301,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--in-place", action="store_true", help="receive per-tensor updates into the stored tensors")
     args = parser.parse_args(argv)
     import uvicorn
     torch.set_num_threads(1)
-    uvicorn.run(make_receiver_app(timeout_s=args.timeout_s), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(make_receiver_app(timeout_s=args.timeout_s, in_place=args.in_place), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
