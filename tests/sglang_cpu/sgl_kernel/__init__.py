@@ -52,16 +52,19 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
 
 def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor,
                                 tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
-    """For each layer buffer (base address ``data_ptrs[l]``, row size ``strides[l]`` bytes),
-    copy row ``src_loc[j]`` to row ``tgt_loc[j]`` for every j (raw memory, like the Triton kernel).
+    """For each layer buffer (base address ``data_ptrs[l]``, row size ``strides[l]`` bytes), copy
+    row ``src_loc[j]`` to row ``tgt_loc[j]`` for every j. Like the Triton kernel, every source
+    row is read before any target row is written, so overlapping src/tgt sets are safe.
     """
-    ptrs = data_ptrs.tolist()
-    row_bytes = strides.tolist()
-    pairs = list(zip(src_loc.tolist(), tgt_loc.tolist()))
-    for base, nbytes in zip(ptrs, row_bytes):
-        for src, tgt in pairs:
-            if src != tgt:
-                ctypes.memmove(base + tgt * nbytes, base + src * nbytes, nbytes)
+    if src_loc.numel() == 0:
+        return
+    src = src_loc.to(torch.int64)
+    tgt = tgt_loc.to(torch.int64)
+    rows = int(torch.maximum(src.max(), tgt.max())) + 1
+    for base, nbytes in zip(data_ptrs.tolist(), strides.tolist()):
+        raw = (ctypes.c_uint8 * (rows * nbytes)).from_address(base)
+        table = torch.frombuffer(raw, dtype=torch.uint8).view(rows, nbytes)
+        table[tgt] = table[src].clone()
 
 
 def rotate_input_ids_cpu(*args, **kwargs):
