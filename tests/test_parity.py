@@ -153,13 +153,16 @@ def test_logprobs_and_entropy_match_transformers(models: dict[str, Path], tp: in
     from trainer.launch import spawn
 
     temperature = 1.0 if tp == 1 else 0.7          # TP=2 also covers the temperature divisor
-    jobs = []
+    jobs, names = [], []
     for name, d in models.items():
         vocab = json.loads((d / "config.json").read_text())["vocab_size"]
-        jobs.append((str(d), token_seqs(vocab)))
+        # uneven lengths (one attention call per sequence) and equal lengths (one batched call)
+        for lens in (SEQ_LENS, (6, 6, 6)):
+            jobs.append((str(d), token_seqs(vocab, lens)))
+            names.append(f"{name} {lens}")
     results = spawn(rank_logprobs, tp, tp, jobs, temperature, timeout_s=600)
-    for (name, d), (model_dir, seqs), *ranks in zip(models.items(), jobs, *results):
-        ref_lp, ref_ent = hf_reference(d, seqs, temperature)
+    for name, (model_dir, seqs), *ranks in zip(names, jobs, *results):
+        ref_lp, ref_ent = hf_reference(Path(model_dir), seqs, temperature)
         for r, (lp, ent) in enumerate(ranks):            # every TP rank holds the full answer
             assert lp.shape == ref_lp.shape
             err_lp = (lp - ref_lp).abs().max().item()

@@ -88,13 +88,23 @@ class Attention(torch.nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # [T, heads, hd] -> [heads, T, hd]; one causal SDPA call per packed sequence
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        gqa = self.n_heads != self.n_kv
-        outs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True, enable_gqa=gqa)
-                for a, b in zip(bounds[:-1], bounds[1:])]
-        attn = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        out, _ = self.o(attn.transpose(0, 1).reshape(T, self.n_heads * hd))
+        if self.n_heads != self.n_kv:   # GQA: repeat kv heads (SDPA's fused CPU kernel needs equal heads)
+            group = self.n_heads // self.n_kv
+            k = k.unsqueeze(2).expand(T, self.n_kv, group, hd).reshape(T, self.n_heads, hd)
+            v = v.unsqueeze(2).expand(T, self.n_kv, group, hd).reshape(T, self.n_heads, hd)
+        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        if all(n == lens[0] for n in lens):
+            # equal lengths: one batched causal call, [S, heads, L, hd]
+            S, L = len(lens), lens[0]
+            q, k, v = (t.view(S, L, self.n_heads, hd).transpose(1, 2) for t in (q, k, v))
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(T, -1)
+        else:
+            # [T, heads, hd] -> [heads, T, hd]; one causal call per packed sequence
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+            outs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True)
+                    for a, b in zip(bounds[:-1], bounds[1:])]
+            attn = torch.cat(outs, dim=1).transpose(0, 1).reshape(T, -1)
+        out, _ = self.o(attn)
         return out
 
 
