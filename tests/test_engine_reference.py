@@ -112,6 +112,9 @@ def test_release_and_resume_memory(engine: EngineHandle) -> None:
 
 def test_release_kv_cache_retracts_running_requests_without_losing_tokens(engine: EngineHandle) -> None:
     bg = Background(engine, input_ids=prompt_ids(35), sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+    deadline = time.monotonic() + 60
+    while server_state(engine)["running"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
     try:
         assert post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
         assert server_state(engine)["kv_cache_bytes"] == 0

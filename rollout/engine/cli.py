@@ -19,6 +19,8 @@ def serve(
     seed: int = typer.Option(0, min=0, help="seed of the sampler for requests without sampling_seed"),
     max_running_requests: int = typer.Option(256, min=1, max=65536, help="sequences decoded together at most"),
     max_prefill_tokens: int = typer.Option(8192, min=16, help="padded tokens per batched prefill at most"),
+    batch_wait_ms: float = typer.Option(20.0, min=0.0, max=1000.0,
+                                        help="from idle, wait until arrivals pause this long before prefilling"),
     weight_version: str = typer.Option("default", help="initial weight_version (SGLang's default is 'default')"),
     logprob_mode: str = typer.Option(
         "temperature", help="reported logprobs: temperature (SGLang's default: log softmax(logits/T)), "
@@ -39,4 +41,5 @@ def serve(
 
     run(model, host=host, port=port, threads=threads, log_level=log_level, dtype=dtype, seed=seed,
         max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
-        weight_version=weight_version, logprob_mode=logprob_mode, weight_sync_timeout_s=weight_sync_timeout)
+        weight_version=weight_version, logprob_mode=logprob_mode, weight_sync_timeout_s=weight_sync_timeout,
+        batch_wait_ms=batch_wait_ms)

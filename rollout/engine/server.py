@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -59,7 +60,7 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", seed: int = 0, max_running_requests: int = 256,
                  max_prefill_tokens: int = 8192, logprob_mode: str = "temperature",
-                 weight_version: str = "default", weight_sync_timeout_s: float = 600.0,
+                 weight_version: str = "default", weight_sync_timeout_s: float = 600.0, batch_wait_ms: float = 20.0,
                  host: str = "127.0.0.1", port: int = 30000) -> None:
         self.model_path = str(model_dir)
         self.tokenizer = load_tokenizer_or_none(model_dir)
@@ -70,14 +71,14 @@ class Engine:
         self.args = {"model_path": self.model_path, "tokenizer_path": self.model_path if self.tokenizer else None,
                      "host": host, "port": port, "dtype": str(self.model.dtype).removeprefix("torch."),
                      "random_seed": seed, "max_running_requests": max_running_requests,
-                     "max_prefill_tokens": max_prefill_tokens, "context_length": self.context_length,
+                     "max_prefill_tokens": max_prefill_tokens, "batch_wait_ms": batch_wait_ms, "context_length": self.context_length,
                      "logprob_mode": logprob_mode, "skip_tokenizer_init": self.tokenizer is None,
                      "device": "cpu", "tp_size": 1, "torch_threads": torch.get_num_threads()}
         self.seed = seed
         self.scheduler = Scheduler(self.model, self.codec, eos_token_ids(model_dir, arch.eos_token_id, self.tokenizer),
                                    seed=seed, max_running=max_running_requests,
                                    max_prefill_tokens=max_prefill_tokens, logprob_mode=logprob_mode,
-                                   weight_version=weight_version)
+                                   weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
         self.updates = WeightUpdates(self, weight_sync_timeout_s)
         self.broken: str | None = None    # set when a failed update left weights partly written
 
@@ -239,6 +240,12 @@ def _resolve(fut: asyncio.Future, s: Seq) -> None:
         fut.set_result(s)
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so receive() waits for that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _json(request: Request) -> Any:
     raw = await request.body()
     if not raw.strip():
@@ -272,11 +279,12 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
         task = asyncio.ensure_future(engine.generate(await _json(request)))
-        while not task.done():                    # like SGLang: a client that goes away aborts its request
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)
+        gone = asyncio.ensure_future(_disconnected(request))
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():                       # like SGLang: a client that goes away aborts its request
+            task.cancel()
+            return Response(status_code=499)
+        gone.cancel()
         return json_response(task.result())
 
     @app.get("/health")
@@ -357,12 +365,15 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None,
-          log_level: str = "warning", **engine_kwargs: Any) -> None:
+          log_level: str = "warning", switch_interval_s: float = 0.0005, **engine_kwargs: Any) -> None:
     """Load the model and serve the engine until interrupted (blocking)."""
     import uvicorn
 
     if threads:
         torch.set_num_threads(threads)
+    # The scheduler thread runs many short torch ops, each re-taking the GIL; with the default 5 ms
+    # switch interval a busy event loop (a burst of requests) makes every op wait up to 5 ms.
+    sys.setswitchinterval(switch_interval_s)
     app = build_app(model_dir, host=host, port=port, **engine_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("reference engine for %s on http://%s:%d (torch threads %d)", model_dir, host, port,
