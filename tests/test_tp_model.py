@@ -133,6 +133,13 @@ def rank_model_grads(tp: int, model_dir: str, seqs: list[list[int]], weights: An
     lp, ent = model.token_logprobs(ids, pos, cu, targets, with_entropy=True)
     loss = ((lp * weights + 0.1 * ent) * mask).sum()
     loss.backward()
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    from trainer.model.loading import param_specs
+
+    specs = param_specs(model)
+    for name, p in model.named_parameters():     # megatron's own duplicate test agrees with our specs
+        assert param_is_not_tensor_parallel_duplicate(p, info.tp_group) == (specs[name].mode != "rep" or info.tp_rank == 0)
     errors = {}
     for label, call in {"vocab": lambda: model.token_logprobs(ids + 10**6, pos, cu, targets),
                         "target": lambda: model.token_logprobs(ids, pos, cu, targets * 0 - 1),

@@ -41,7 +41,28 @@ def load_model(model_dir: "str | Path", info: "ParallelInfo", dtype: "torch.dtyp
     arch = ArchConfig.from_model_dir(model_dir)
     model = TPDecoder(arch, info, dtype or torch.float32)
     load_shards(model, model_dir)
+    mark_tp_params(model)
     return model.to(info.device)
+
+
+def mark_tp_params(model: "TPDecoder") -> None:
+    """Set megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes on the sharded
+    parameters (megatron sets them only when it initialises weights itself), so megatron utilities
+    such as ``param_is_not_tensor_parallel_duplicate`` count replicated parameters once."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    from trainer.model.loading import param_specs
+
+    params = dict(model.named_parameters())
+    for name, spec in param_specs(model).items():
+        p = params[name]
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                delattr(p, attr)
+        if spec.mode == "rep":
+            p.tensor_model_parallel = False
+        else:
+            set_tensor_model_parallel_attributes(p, True, 0 if spec.mode == "rows" else 1, 1)
 
 
 def __getattr__(name: str) -> Any:
