@@ -76,7 +76,11 @@ pip_install "${torch_pkgs[@]}"
 pip_install --no-deps "$sglang_pkg"
 pip_install "${deps[@]}" "${torch_pkgs[@]}" | { grep -v -e "dependency resolver" -e "^sglang 0.5.23 requires" || true; }
 pip_install "$router_pkg"
-pip_install --force-reinstall --no-deps "$standin"
+# build the stand-in from a copy, so no build/ or egg-info lands in the source tree
+stage=$(mktemp -d)
+cp -r "$standin/pyproject.toml" "$standin/sgl_kernel" "$stage/"
+pip_install --force-reinstall --no-deps "$stage"
+rm -rf "$stage"
 smoke
 echo "$recipe" > "$stamp"
 report "built"
