@@ -202,3 +202,12 @@ def test_get_weights_by_name_and_server_info(engine: EngineHandle) -> None:
     assert post(engine, "/get_weights_by_name", {"name": "nope"}).status_code == 400
     info = httpx.get(f"{engine.url}/get_server_info", timeout=30).json()
     assert info["weight_version"] == "default" and info["internal_states"][0]["paused"] is None
+
+
+def test_serve_refuses_a_directory_without_a_model(tmp_path: Path) -> None:
+    import subprocess
+
+    r = subprocess.run(headrace_cmd("engine", "serve", "--model", str(tmp_path)), capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    assert r.returncode != 0
+    assert "--model" in r.stderr and "no config.json" in r.stderr

@@ -132,7 +132,8 @@ class Engine:
         vocab = self.model.arch.vocab_size
         items = []
         for i, (p, sp, lp, r) in enumerate(zip(prompts, sps, lps, rids)):
-            where = f"input_ids[{i}]" if batch else "input_ids"
+            field = "text" if text is not None else "input_ids"
+            where = f"{field}[{i}]" if batch else field
             if not p:
                 raise BadRequest(f"{where} is empty: the prompt needs at least one token")
             bad = [t for t in p if not 0 <= t < vocab]
