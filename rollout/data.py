@@ -6,9 +6,11 @@ Guarantees:
 - Every drawn item has a global position ``g = epoch * len + index_in_epoch``; ``key`` is derived
   from it, so the same prompt slot always gets the same group id (a retried push deduplicates).
 - The cursor is the pair (watermark, done-set): every position below the watermark is finished
-  (pushed, filtered out or failed), ``done`` lists finished positions above it. ``mark_done``
-  rewrites the state file atomically (temp file + rename), so a restart neither skips nor repeats a
-  prompt: drawn-but-unfinished positions are drawn again, finished ones never.
+  (pushed, filtered out or failed), ``done`` lists finished positions above it. The state file is
+  rewritten atomically (temp file + rename) on ``mark_done`` (or on ``flush`` when ``autosave`` is
+  off), so a restart never skips a prompt: drawn-but-unfinished positions are drawn again. With
+  deferred saves a slot finished in the last moments before a crash may be drawn again; its group
+  carries the same group id, so the buffer counts it as a duplicate and the trainer never sees it twice.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class DataSource:
             self._load()
         self._next = self.watermark
         self._outstanding: set[int] = set()
+        self.autosave = True  # False: the owner calls flush() (the service does, every 0.2 s)
+        self._dirty = False
 
     def __len__(self) -> int:
         return len(self.items)
@@ -213,4 +217,12 @@ class DataSource:
         while self.watermark in self.done:
             self.done.discard(self.watermark)
             self.watermark += 1
-        self._save()
+        self._dirty = True
+        if self.autosave:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the cursor if it changed since the last write."""
+        if self._dirty:
+            self._save()
+            self._dirty = False

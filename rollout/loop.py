@@ -41,8 +41,10 @@ def prompt_sample(**fields: Any) -> Sample:
     Built without validation because its reward is legitimately unset until it is scored; every
     sample a generator returns is validated again (``_revalidate``) before it goes anywhere.
     """
-    return Sample.model_construct(**{**{k: f.get_default(call_default_factory=True)
-                                        for k, f in Sample.model_fields.items() if not f.is_required()}, **fields})
+    defaults = dict(index=0, response_length=0, loss_mask=[], rollout_logprobs=None, reward=None,
+                    status=SampleStatus.completed.value, weight_version=0, prompt=None, response=None,
+                    label=None, metadata={})  # (pydantic's get_default inspects signatures: 3 ms a call)
+    return Sample.model_construct(**{**defaults, **fields})
 
 
 def _revalidate(s: Sample) -> Sample:
@@ -290,9 +292,17 @@ class RolloutLoop:
                 "failed": sum(s.status == SampleStatus.failed.value for s in samples),
                 "weight_version": min((s.weight_version for s in samples), default=self.gate.version)}
 
+    async def flush_cursor(self) -> None:
+        """Persist the data cursor every 0.2 s when it moved (one atomic rename, not one per group)."""
+        while True:
+            await asyncio.sleep(0.2)
+            self.data.flush()
+
     def start(self) -> None:
         self.pusher.start()
-        for coro in ([self.poll_stats(), self.continuous()] if self.rc.mode == "continuous" else []):
+        self.data.autosave = False
+        for coro in [self.flush_cursor()] + ([self.poll_stats(), self.continuous()]
+                                             if self.rc.mode == "continuous" else []):
             t = asyncio.create_task(coro)
             self._tasks.add(t)
             t.add_done_callback(self._done)
@@ -302,6 +312,7 @@ class RolloutLoop:
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.data.flush()
 
 
 def _typename(x: Any) -> str:
