@@ -211,3 +211,34 @@ def test_serve_refuses_a_directory_without_a_model(tmp_path: Path) -> None:
                        env=child_env(), timeout=120)
     assert r.returncode != 0
     assert "--model" in r.stderr and "no config.json" in r.stderr
+
+
+def _wait_running(engine: EngineHandle, n: int = 1) -> None:
+    deadline = time.monotonic() + 60
+    while server_state(engine)["running"] < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server_state(engine)["running"] >= n
+
+
+def test_flush_cache_is_refused_while_requests_hold_cache_in_place(engine: EngineHandle) -> None:
+    bg = Background(engine, input_ids=prompt_ids(42), rid="flush-hold",
+                    sampling_params={"max_new_tokens": 1800, "ignore_eos": True})
+    _wait_running(engine)
+    assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        assert post(engine, "/flush_cache").status_code == 400
+    finally:
+        assert post(engine, "/continue_generation").status_code == 200
+        post(engine, "/abort_request", {"rid": "flush-hold"})
+    assert bg.wait()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert post(engine, "/flush_cache").status_code == 200
+
+
+def test_abort_by_request_rid_reaches_all_n_samples(engine: EngineHandle) -> None:
+    bg = Background(engine, input_ids=prompt_ids(43), rid="group-7",
+                    sampling_params={"n": 3, "max_new_tokens": 1800, "ignore_eos": True})
+    _wait_running(engine, 3)
+    assert post(engine, "/abort_request", {"rid": "group-7"}).status_code == 200
+    res = bg.wait()
+    assert [r["meta_info"]["id"] for r in res] == ["group-7_0", "group-7_1", "group-7_2"]
+    assert all(r["meta_info"]["finish_reason"]["type"] == "abort" for r in res)
