@@ -154,8 +154,10 @@ def test_bad_batch_stops_trainer_with_state_kept(tmp_path, model_dir, buffer):
     with BufferClient(buffer) as c:
         c.post_groups(synthetic_groups(GROUPS_PER_STEP))
         c.post_groups(synthetic_groups(GROUPS_PER_STEP - 1, start=100) + [_bad_group("vocab", "poisoned")])
-    rc, log = run_train(tmp_path, write_config(tmp_path, model_dir, buffer, save_every=0), buffer)
+    # two DP ranks: the batch and the error travel from rank 0 to rank 1 by broadcast
+    rc, log = run_train(tmp_path, write_config(tmp_path, model_dir, buffer, save_every=0, dp=2), buffer)
     assert rc == 1, log
+    assert "tp=1 dp=2" in log
     assert "poisoned" in log and "outside the vocabulary" in log and "released, not acked" in log
     assert [r["step"] for r in metrics(tmp_path)] == [1]
     with BufferClient(buffer) as c:
@@ -163,5 +165,6 @@ def test_bad_batch_stops_trainer_with_state_kept(tmp_path, model_dir, buffer):
     assert (s.consumed, s.queued, s.leased, s.policy_version) == (GROUPS_PER_STEP, GROUPS_PER_STEP, 0, 1)
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "step_00000001"   # the state before the bad lease, saved
+    assert {p.name for p in (ckpt / "step_00000001").iterdir()} >= {"model_tp0.pt", "rng_rank0.pt", "rng_rank1.pt"}
     meta = json.loads((ckpt / "step_00000001" / "meta.json").read_text())
     assert (meta["step"], meta["policy_version"], meta["groups_consumed"]) == (1, 1, GROUPS_PER_STEP)
