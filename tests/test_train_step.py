@@ -139,3 +139,51 @@ def test_step_raises_logprob_of_positive_advantage_and_refuses_nan(model_dir):
     assert r["after"][-1] > r["first"] + 0.05      # positive-advantage responses became likelier
     assert r["raised"] and r["unchanged"]
     assert r["step"] == 4                           # the refused step did not count
+
+
+VARIANTS = [dict(algorithm="rloo"), dict(algorithm="reinforce_pp"), dict(algorithm="dr_grpo", aggregation="seq_mean_token_sum"),
+            dict(algorithm="grpo", aggregation="seq_mean_token_mean", dual_clip=3.0, ppo_epochs=2),
+            dict(algorithm="grpo", kl_coef=0.5, kl_in_reward=True, kl_kind="k1", ppo_epochs=2),
+            dict(algorithm="grpo", kl_coef=0.5, kl_kind="k2", ppo_epochs=2, lr_schedule="cosine", warmup_steps=1)]
+
+
+def _variants(model_dir: str) -> list[dict]:
+    from trainer.batch import build_batch
+    from trainer.model import load_model
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.parallel import destroy_distributed, init_distributed
+    from trainer.step import TrainerState, train_step
+
+    info = init_distributed(1, 1)
+    out = []
+    try:
+        for v in VARIANTS:
+            tcfg = TrainerConfig(lr=1e-3, **v)
+            model = load_model(model_dir, info)
+            ref = None
+            if tcfg.kl_coef > 0:
+                ref = load_model(model_dir, info)
+                ref.requires_grad_(False)
+            opt = build_optimizer(model, tcfg)
+            st = TrainerState(model, opt, build_scheduler(opt, tcfg), tcfg, info, ref_model=ref)
+            batch = build_batch(make_groups(seed=9), vocab_size=model.arch.vocab_size)
+            out.append([train_step(st, batch) for _ in range(2)])
+        return out
+    finally:
+        destroy_distributed()
+
+
+def test_algorithm_variants_run_and_report(model_dir):
+    import math
+
+    res = spawn(_variants, 1, str(model_dir), timeout_s=300)[0]
+    for v, (m1, m2) in zip(VARIANTS, res):
+        for k in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl"):
+            assert math.isfinite(m2[k]), (v, k)
+        assert m1["grad_norm"] > 0, v
+        if v.get("kl_coef"):
+            assert m1["kl"] == 0.0 and m2["kl"] != 0, v     # policy == reference at step 1, not after (k1 may be < 0)
+        if v.get("kl_in_reward"):
+            assert m2["reward_mean"] == m1["reward_mean"]  # the rollout's rewards are reported, not KL-shaped
+        if v.get("warmup_steps"):
+            assert m1["lr"] == pytest.approx(1e-3) and m2["lr"] < 1e-3       # warmup 1 step, then cosine

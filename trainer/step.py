@@ -117,7 +117,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     # ---- advantages (global: every rank holds the whole batch's rewards)
     rewards, valid = batch.rewards()
     if use_ref and cfg.kl_in_reward:
-        kl_sum = torch.zeros(len(batch.samples), dtype=torch.float64)
+        kl_sum = torch.zeros(len(batch.samples), dtype=torch.float64)  # KL per sample, summed over tokens
         for mb in all_mbs:
             per_tok = kl_penalty(mb.extras["old"], mb.extras["ref"], cfg.kl_kind) * mb.loss_mask
             per_seq = torch.zeros(len(mb.sample_ids)).index_add_(0, mb.seq_index, per_tok)
@@ -125,6 +125,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
         if info.dp > 1:
             dist.all_reduce(kl_sum, group=info.dp_group)
         rewards = rewards - cfg.kl_coef * kl_sum.float()
+        kl_reward_tokens = float(kl_sum.sum())
     adv = ragged_group_advantages(rewards, batch.group_sizes, valid, estimator=estimator, normalize_std=normalize)
     for mb in all_mbs:
         mb.extras["adv"] = adv[mb.sample_ids][mb.seq_index]
@@ -209,6 +210,8 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
         out.pop("tis_weight")
     if not use_ref:
         out.pop("kl")
+    elif cfg.kl_in_reward:  # token-mean KL(old || ref) that went into the rewards
+        out["kl"] = kl_reward_tokens / max(s["tok"], 1.0)
     out.update(
         step=st.step, lr=lr, grad_norm=sum(norms) / max(len(norms), 1),
         reward_mean=float(ok.mean()) if ok.numel() else float("nan"),
