@@ -38,7 +38,7 @@ from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampling: dict) -> float:
     # the same client settings as the service's fleet (rollout/fleet.py), so only the service differs
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=64, keepalive_expiry=2.0)
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=16, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
         async def one(i: int, p: list[int]) -> None:
             r = await client.post(f"{urls[i % len(urls)]}/generate",

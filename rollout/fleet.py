@@ -111,7 +111,7 @@ class Fleet:
         # httpcore scans its whole pool for every request: a pool full of idle (or server-closed)
         # keep-alive connections made each batch slower than the last. Keep few, briefly.
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
-                                      limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64,
+                                      limits=httpx.Limits(max_connections=4096, max_keepalive_connections=16,
                                                           keepalive_expiry=2.0))
         self._closing = False
         self.on_replaced: Any = None  # async callback(engine) after a restart, set by the router
