@@ -182,8 +182,9 @@ def test_algorithm_variants_run_and_report(model_dir):
             assert math.isfinite(m2[k]), (v, k)
         assert m1["grad_norm"] > 0, v
         if v.get("kl_coef"):
-            assert m1["kl"] == 0.0 and m2["kl"] != 0, v     # policy == reference at step 1, not after (k1 may be < 0)
+            assert m2["kl"] != 0, v                         # the policy left the reference (k1 may be < 0)
         if v.get("kl_in_reward"):
+            assert m1["kl"] == 0.0, v                        # measured before the first update: policy == reference
             assert m2["reward_mean"] == m1["reward_mean"]  # the rollout's rewards are reported, not KL-shaped
         if v.get("warmup_steps"):
             assert m1["lr"] == pytest.approx(1e-3) and m2["lr"] < 1e-3       # warmup 1 step, then cosine
