@@ -6,8 +6,9 @@ with SGLang 0.5.23's HTTP semantics.
   served by rank 0, ``PrefixStore(group_name)``, a new non-default group) and receives either one
   broadcast per tensor from rank 0 in ``names`` order, or one flat tensor
   (``load_format="flattened_bucket"``: the tensors flattened and concatenated in ``names`` order,
-  all of one dtype; received into a buffer kept per dtype while the group lives, so the returned
-  views are valid until the next receive). Every call blocks; HTTP handlers run them in a worker
+  all of one dtype). Tensors land in a receive buffer kept per dtype while the group lives (the
+  returned views are valid until the next receive) or, per tensor, straight into the engine's own
+  weights when a ``dest`` lookup is given. Every call blocks; HTTP handlers run them in a worker
   thread.
 - ``WeightUpdateService`` is the state machine behind the five endpoints, minus HTTP:
   ``/update_weights_from_distributed`` outside a ``/begin_weight_update`` ... ``/end_weight_update``
