@@ -188,3 +188,13 @@ def test_algorithm_variants_run_and_report(model_dir):
             assert m2["reward_mean"] == m1["reward_mean"]  # the rollout's rewards are reported, not KL-shaped
         if v.get("warmup_steps"):
             assert (m1["lr"], m2["lr"]) == pytest.approx((5e-4, 1e-3))      # linear warmup over 2 steps
+
+
+def test_lr_schedule_shapes():
+    from trainer.optim import lr_factor
+
+    f = lambda s, kind: lr_factor(s, warmup_steps=2, total_steps=12, schedule=kind, min_ratio=0.1)  # noqa: E731
+    assert [f(s, "constant") for s in (0, 1, 2, 11)] == [0.5, 1.0, 1.0, 1.0]
+    assert f(2, "cosine") == pytest.approx(1.0)
+    assert f(7, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)      # half-way through the decay
+    assert f(12, "cosine") == pytest.approx(0.1) and f(50, "cosine") == pytest.approx(0.1)
