@@ -160,3 +160,22 @@ def test_continuous_admission_keeps_queued_plus_in_flight_within_the_staleness_w
     s.wait(lambda st: st["produced"] == cap + 2, what="two more groups")
     time.sleep(1.0)
     assert s.status()["produced"] == cap + 2
+
+
+def test_shipped_examples_run_in_the_service(tmp_path: Path, tiny_model, stacks) -> None:
+    """examples/calculator_generator.py and examples/custom_reward.py, loaded from config as users do.
+    (A random tiny model rarely writes a tool call; the tool path is covered above and in
+    test_plugins_rollout.py — this checks the examples' plumbing against the real engine.)"""
+    from tests.procs import REPO
+
+    s = stacks(tiny_model, {
+        "data": {"path": str(REPO / "examples" / "data" / "arithmetic.jsonl"), "apply_chat_template": True},
+        "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 12},
+        "generate": f"{REPO}/examples/calculator_generator.py:generate",
+        "reward": f"{REPO}/examples/custom_reward.py:reward"}).start()
+    assert s.post("/v1/generate_batch", {"groups": 2}).json()["groups"] == 2
+    for g in s.lease_all():
+        for x in g.samples:
+            assert x.status in ("completed", "truncated") and 1 <= x.response_length <= 12
+            assert set(x.metadata["rewards"]) == {"correct", "length_penalty"} and x.reward <= 1.0
+            assert x.prompt.startswith("<|im_start|>") or "What is" in x.prompt
