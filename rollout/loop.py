@@ -269,7 +269,8 @@ class RolloutLoop:
                     "data_exhausted": exhausted, "seconds": round(time.monotonic() - t0, 3)}
 
     async def evaluate(self, limit: int | None = None) -> dict[str, Any]:
-        """One greedy (eval_sampling) sample per held-out prompt, scored; nothing is pushed."""
+        """One sample per held-out prompt with ``eval_sampling`` (greedy by default), scored; nothing
+        is pushed. ``score`` is pass@1 (reward >= 1), ``reward_mean`` the mean reward (failed = 0)."""
         from rollout.data import load_items
 
         items = load_items(self.rc.data, eval=True)[: limit or None]

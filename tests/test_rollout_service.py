@@ -178,4 +178,4 @@ def test_shipped_examples_run_in_the_service(tmp_path: Path, tiny_model, stacks)
         for x in g.samples:
             assert x.status in ("completed", "truncated") and 1 <= x.response_length <= 12
             assert set(x.metadata["rewards"]) == {"correct", "length_penalty"} and x.reward <= 1.0
-            assert x.prompt.startswith("<|im_start|>") or "What is" in x.prompt
+            assert x.prompt.startswith("<|im_start|>user") and "What is" in x.prompt  # chat template applied
