@@ -120,14 +120,21 @@ def test_vocab_parallel_tp2_matches_full_softmax_and_megatron() -> None:
 
 
 # ----------------------------------------------------------------------------- TP=2, whole model
-def rank_model_grads(tp: int, model_dir: str, seqs: list[list[int]], weights: Any) -> dict[str, Any]:
+def rank_model_grads(tp: int, jobs: list[tuple[str, list[list[int]], Any]]) -> list[dict[str, Any]]:
+    from trainer.parallel import destroy_distributed, init_distributed
+
+    info = init_distributed(tp)
+    out = [_model_grads(info, *job) for job in jobs]
+    destroy_distributed()
+    return out
+
+
+def _model_grads(info: Any, model_dir: str, seqs: list[list[int]], weights: Any) -> dict[str, Any]:
     """Loss = sum(w * logprob) + 0.1 * sum(entropy) over unmasked tokens; HF-named full gradients."""
     import torch
 
     from trainer.model import load_model
-    from trainer.parallel import destroy_distributed, init_distributed
 
-    info = init_distributed(tp)
     model = load_model(model_dir, info)
     ids, pos, cu, targets, mask = packed(seqs)
     lp, ent = model.token_logprobs(ids, pos, cu, targets, with_entropy=True)
@@ -152,7 +159,6 @@ def rank_model_grads(tp: int, model_dir: str, seqs: list[list[int]], weights: An
         for p in model.parameters():
             p.copy_(p.grad)
         grads = dict(model.hf_state_dict())
-    destroy_distributed()
     return {"loss": loss.item(), "grads": grads, "errors": errors}
 
 
@@ -180,37 +186,40 @@ def grad_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"tiny-qwen2": preset_model("tiny-qwen2", root / "q", seed=4), "odd-llama": odd_llama(root / "o", seed=2)}
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "odd-llama"])
-def test_model_gradients_tp2_match_tp1_and_transformers(grad_models: dict[str, Path], name: str) -> None:
+def test_model_gradients_tp2_match_tp1_and_transformers(grad_models: dict[str, Path]) -> None:
     import json
 
     import torch
 
     from trainer.launch import spawn
 
-    d = grad_models[name]
-    vocab = json.loads((d / "config.json").read_text())["vocab_size"]
-    seqs = token_seqs(vocab, (6, 10, 1, 4), seed=7)
-    weights = torch.randn(sum(map(len, seqs)), generator=torch.Generator().manual_seed(3))
-    ref_loss, ref = _hf_grads(d, seqs, weights)
-    tp1 = spawn(rank_model_grads, 1, 1, str(d), seqs, weights)[0]
-    tp2 = spawn(rank_model_grads, 2, 2, str(d), seqs, weights)
-    assert tp2[1]["grads"] == {}, "only TP rank 0 yields exported tensors"
-    for label, res in (("TP=1", tp1), ("TP=2", tp2[0])):
-        assert abs(res["loss"] - ref_loss) < TOL * max(1.0, abs(ref_loss)), label
-        ours = res["grads"]
-        hf_names = {n for n in ref if not (n == "lm_head.weight" and "lm_head.weight" not in ours)}
-        assert set(ours) == hf_names, label
-        for n, gref in ref.items():
-            if n not in ours:
-                continue                                   # tied lm_head: its gradient is in the embedding
-            scale = max(1.0, gref.abs().max().item())
-            err = (ours[n] - gref).abs().max().item()
-            assert err < TOL * scale, f"{label} {name}: gradient of {n} differs by {err} (scale {scale})"
-    for res in (tp1, tp2[0], tp2[1]):
-        assert "outside the vocabulary" in res["errors"]["vocab"]
-        assert "target id -1" in res["errors"]["target"]
-        assert "cu_seqlens" in res["errors"]["cu"]
+    jobs = []
+    for name, d in grad_models.items():
+        vocab = json.loads((d / "config.json").read_text())["vocab_size"]
+        seqs = token_seqs(vocab, (6, 10, 1, 4), seed=7)
+        weights = torch.randn(sum(map(len, seqs)), generator=torch.Generator().manual_seed(3))
+        jobs.append((str(d), seqs, weights))
+    tp1 = spawn(rank_model_grads, 1, 1, jobs)[0]
+    tp2 = spawn(rank_model_grads, 2, 2, jobs)
+    for j, (name, d) in enumerate(grad_models.items()):
+        _, seqs, weights = jobs[j]
+        ref_loss, ref = _hf_grads(d, seqs, weights)
+        assert tp2[1][j]["grads"] == {}, "only TP rank 0 yields exported tensors"
+        for label, res in (("TP=1", tp1[j]), ("TP=2", tp2[0][j])):
+            assert abs(res["loss"] - ref_loss) < TOL * max(1.0, abs(ref_loss)), f"{label} {name}"
+            ours = res["grads"]
+            hf_names = {n for n in ref if not (n == "lm_head.weight" and "lm_head.weight" not in ours)}
+            assert set(ours) == hf_names, f"{label} {name}"
+            for n, gref in ref.items():
+                if n not in ours:
+                    continue                               # tied lm_head: its gradient is in the embedding
+                scale = max(1.0, gref.abs().max().item())
+                err = (ours[n] - gref).abs().max().item()
+                assert err < TOL * scale, f"{label} {name}: gradient of {n} differs by {err} (scale {scale})"
+        for res in (tp1[j], tp2[0][j], tp2[1][j]):
+            assert "outside the vocabulary" in res["errors"]["vocab"]
+            assert "target id -1" in res["errors"]["target"]
+            assert "cu_seqlens" in res["errors"]["cu"]
 
 
 # ----------------------------------------------------------------------------- groups and launcher

@@ -71,7 +71,7 @@ def save_hf(model: TPDecoder, out_dir: str | Path, source_dir: str | Path, *,
         src_dtypes = _source_dtypes(source) if writer and dtype is None else {}
         for name, t in model.hf_state_dict():
             if writer:
-                tensors[name] = t.to(dtype or src_dtypes.get(name, t.dtype)).contiguous()
+                tensors[name] = t.to(dtype or src_dtypes.get(name, t.dtype)).cpu().contiguous()
     if writer:
         out.mkdir(parents=True, exist_ok=True)
         copy_non_weight_files(source, out)

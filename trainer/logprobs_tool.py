@@ -70,7 +70,7 @@ def rank_main(model_dir: str, tp: int, seqs: list[list[int]], max_tokens: int) -
     from trainer.model import load_model
     from trainer.parallel import destroy_distributed, init_distributed
 
-    info = init_distributed(tp)
+    info = init_distributed(tp, backend="gloo")     # an fp32 CPU reference, even on a GPU machine
     try:
         model = load_model(model_dir, info, torch.float32).eval()
         results: list[list[float]] = [[] for _ in seqs]

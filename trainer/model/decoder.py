@@ -219,7 +219,8 @@ class TPDecoder(torch.nn.Module):
 
     # ------------------------------------------------------------------ export
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors with HF names, gathered over TP; yields on TP rank 0 only. A collective."""
+        """Full tensors with HF names (model device and dtype, padding removed), gathered over TP;
+        yields on TP rank 0 only. A collective: every TP rank must exhaust the iterator."""
         from trainer.model.loading import gather_hf_tensors
 
         yield from gather_hf_tensors(self)

@@ -174,7 +174,8 @@ def load_shards(model: "TPDecoder", model_dir: str | Path) -> None:
 
 @torch.no_grad()
 def gather_hf_tensors(model: "TPDecoder") -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) pairs, layer by layer; yields on TP rank 0 only. A collective."""
+    """(HF name, full tensor) pairs, layer by layer, on the model's device (NCCL weight sync sends
+    them from there); yields on TP rank 0 only. A collective over the TP group."""
     info, shapes = model.info, full_shapes(model)
     tp, leader = info.tp, info.tp_rank == 0
     params = dict(model.named_parameters())
@@ -188,10 +189,10 @@ def gather_hf_tensors(model: "TPDecoder") -> Iterator[tuple[str, torch.Tensor]]:
         if not leader:
             continue
         if spec.mode == "rep":
-            yield spec.parts[0][0], local.cpu()
+            yield spec.parts[0][0], local.clone()   # never hand out the live parameter
             continue
         dim = 0 if spec.mode == "rows" else 1
         per_rank = [s.split([padded // tp for _, padded in spec.parts], dim=dim) for s in shards]
         for j, (name, _) in enumerate(spec.parts):
             full = torch.cat([pieces[j] for pieces in per_rank], dim=dim)
-            yield name, full.narrow(dim, 0, shapes[name][dim]).cpu()
+            yield name, full.narrow(dim, 0, shapes[name][dim]).contiguous()
