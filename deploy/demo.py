@@ -288,3 +288,27 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, 
     meta = {"fingerprint": fp, "source": str(src), "args": args, "steps_run": done_steps, "accuracy": acc}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return out
+
+
+def prepare_demo_model(cache_dir: str | Path = "models", *, seed: int = 0, log: Any = print) -> Path:
+    """The demo's warm-started model: ``tiny-qwen2`` from ``init_model``, then ``warm_start``.
+
+    Both steps are cached under ``cache_dir`` (a second call returns at once), so every
+    ``headrace run`` of the demo starts from the same weights.
+    """
+    import torch
+
+    from shared.modelzoo import init_model
+
+    cache = Path(cache_dir)
+    base = cache / "tiny-qwen2"
+    if not (base / "config.json").is_file():
+        init_model("tiny-qwen2", base, seed=seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, threads))
+    try:
+        if log:
+            log(f"headrace run: supervised warm-up of {base} (cached in {cache / 'tiny-qwen2-warm'})")
+        return warm_start(base, cache / "tiny-qwen2-warm", seed=seed)
+    finally:
+        torch.set_num_threads(threads)

@@ -71,15 +71,15 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
 
 
 def prepare_model(cfg: HeadraceConfig, demo: bool) -> None:
-    """Make sure cfg.model exists; the demo builds its model and warm-starts it (cached in <out>)."""
-    if Path(cfg.model).joinpath("config.json").is_file():
+    """Make sure cfg.model exists; the demo builds its model and warm-starts it (both cached)."""
+    if demo:
+        from deploy.demo import prepare_demo_model
+
+        cfg.model = str(prepare_demo_model(Path(cfg.model).parent).resolve())
         return
-    if not demo:
+    if not Path(cfg.model).joinpath("config.json").is_file():
         raise FileNotFoundError(f"model: {cfg.model} is not a Hugging Face model directory "
                                 "(make one with `headrace init-model --preset tiny-qwen2 --out DIR`)")
-    from deploy.demo import prepare_demo_model
-
-    cfg.model = str(prepare_demo_model(Path(cfg.run.out)))
 
 
 class _Progress:
@@ -131,6 +131,7 @@ def run_local(config_path: str | None = None, out: str | None = None, resume: st
     prepare_model(cfg, demo)
     if cfg.run.placement == "colocated":
         cfg.rollout.mode = "on_demand"
+    cfg.trainer.export_hf = True
     _pick_ports(cfg)
     config_file = save_config(cfg, out_dir / "config.yaml")
     metrics_path = out_dir / "metrics.jsonl"

@@ -169,12 +169,13 @@ class TrainerConfig(_Section):
     lease_wait_s: float = Field(default=30.0, gt=0, description="wait per lease attempt")
     threads: int | None = Field(default=None, ge=1, le=512, description="torch threads per trainer rank")
     bucket_mb: float = Field(default=256.0, gt=0, description="weight-sync bucket size")
+    sync_address: str = Field(default="127.0.0.1", description="address engines use to reach trainer rank 0 for weight sync")
     sync_timeout_s: float = Field(default=300.0, gt=0, description="timeout of each weight-sync step")
     tensorboard: bool = Field(default=False, description="also write TensorBoard scalars to <run.out>/tensorboard")
     export_hf: bool = Field(default=False, description="write the final policy as a HF directory")
     export_hf_dir: str | None = Field(default=None, description="where export_hf writes; default <run.out>/hf")
     weight_sync_hook: str | None = Field(
-        default=None, description="module:function building the trainer's weight-sync hook (null: no sync)")
+        default=None, description="module:function building the weight-sync hook (null: trainer.sync.EngineSync with a rollout URL, none without)")
 
 
 # ---- run / placement -------------------------------------------------------------------------

@@ -57,8 +57,10 @@ class WeightSyncHook(Protocol):
     def before_lease(self, st: TrainerState) -> None:
         """Before each lease (on-demand mode: ask the rollout to generate the next batch)."""
 
-    def after_update(self, st: TrainerState, version: int) -> None:
-        """After the optimizer step and the policy-version PUT, before the ack (pause, sync, resume)."""
+    def after_update(self, st: TrainerState, version: int) -> dict[str, Any] | None:
+        """After the optimizer step and the policy-version PUT, before the ack (pause, sync, resume).
+
+        May return extra metrics for this step (e.g. ``eval_score``)."""
 
     def close(self) -> None:
         """At the end of training (also after an error)."""
@@ -93,6 +95,7 @@ class LeaseSource:
         self.cfg, self.rank, self.train_only = cfg, rank, rollout_url is None
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.client = None
+        self.min_version = 0      # leases take no group older than policy_version - max_staleness
         if rank == 0:
             from shared.client import BufferClient
 
@@ -102,7 +105,8 @@ class LeaseSource:
         n = self.cfg.rollout.groups_per_step
         t0 = time.perf_counter()
         while True:
-            lease = self.client.lease(n, wait_s=self.cfg.trainer.lease_wait_s, lease_s=self.cfg.buffer.lease_s)
+            lease = self.client.lease(n, wait_s=self.cfg.trainer.lease_wait_s, lease_s=self.cfg.buffer.lease_s,
+                                      min_weight_version=self.min_version or None)
             if lease is not None:
                 break
             if self.train_only:
@@ -138,6 +142,7 @@ class LeaseSource:
         (self.client.ack if ok else self.client.release)(leased.lease_id)
 
     def set_policy_version(self, v: int) -> None:
+        self.min_version = max(0, v - self.cfg.buffer.max_staleness)
         if self.client is not None:
             self.client.set_policy_version(v)
 
@@ -175,7 +180,11 @@ def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
 def _make_hook(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> WeightSyncHook:
     spec = cfg.trainer.weight_sync_hook
     if not spec:
-        return NoWeightSync()
+        if rollout_url is None:
+            return NoWeightSync()
+        from trainer.sync import EngineSync
+
+        return EngineSync(cfg, info, rollout_url)
     from shared.plugins import load_plugin
 
     return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
@@ -211,6 +220,10 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
         saved_at = st.step
         try:
             source.set_policy_version(st.policy_version)
+            initial = getattr(hook, "initial_metrics", None)
+            first = initial(st) if initial is not None else None
+            if first and writer is not None:
+                writer.log({"step": st.step, "policy_version": st.policy_version, **first})
             while st.step < t.steps:
                 t0 = time.perf_counter()
                 hook.before_lease(st)
@@ -228,13 +241,15 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
                     st.groups_consumed += leased.batch.num_groups
                     st.samples_consumed += len(leased.batch.samples)
                     source.set_policy_version(st.policy_version)
-                    hook.after_update(st, st.policy_version)
+                    extra = hook.after_update(st, st.policy_version) or {}
                 except BaseException:
                     source.finish(leased, ok=False)
                     raise
                 source.finish(leased, ok=True)
                 dt = time.perf_counter() - t0
-                last = {**metrics, "policy_version": st.policy_version, "lease_wait_s": leased.wait_s,
+                last = {**metrics, **extra, "policy_version": st.policy_version, "weight_version": st.policy_version,
+                        "data_weight_version": leased.weight_version,
+                        "kl": metrics.get("kl", metrics.get("approx_kl")), "lease_wait_s": leased.wait_s,
                         "staleness": st.policy_version - 1 - leased.weight_version,
                         "samples_per_s": len(leased.batch.samples) / dt if dt > 0 else 0.0, "iteration_s": dt}
                 if writer is not None:
