@@ -13,6 +13,8 @@ Guarantees:
   their budget. ``drain`` lets running requests finish and admits no new ones.
 - ``/v1/resume {"weight_version": v}`` marks v as the engines' weights (engines restarted meanwhile
   rejoin routing), continues the engines and tags every later token with v.
+- ``/v1/generate_batch`` tags its samples with ``weight_version`` from the request, or else with the
+  version all engines report on ``/get_weight_version`` (set by the trainer's weight update).
 """
 
 from __future__ import annotations
@@ -161,6 +163,18 @@ class RolloutService:
             raise HTTPException(502, {"message": f"{path} failed on {len(bad)} engine(s)", "engines": bad})
         return {"ok": True, "engines": len(results)}
 
+    async def engines_version(self) -> int | None:
+        """The weight version every routable engine reports (/get_weight_version), if they agree on
+        an integer; on_demand batches are tagged with it when the caller does not say."""
+        seen = set()
+        for e in self.fleet.routable():
+            try:
+                r = await self.fleet.http.get(f"{e.url}/get_weight_version", timeout=10.0)
+                seen.add(int(r.json()["weight_version"]))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                return None
+        return seen.pop() if len(seen) == 1 else None
+
     def status(self) -> dict[str, Any]:
         up = time.time() - self.started
         loop = self.loop
@@ -217,9 +231,10 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
     async def generate_batch(req: BatchRequest) -> dict[str, Any]:
         if cfg.rollout.mode != "on_demand":
             raise HTTPException(409, "generate_batch needs rollout.mode: on_demand (this service is continuous)")
-        if req.weight_version is not None:
-            svc.fleet.set_version(req.weight_version)
-            svc.gate.version = req.weight_version
+        version = req.weight_version if req.weight_version is not None else await svc.engines_version()
+        if version is not None and version != svc.gate.version:
+            svc.fleet.set_version(version)
+            svc.gate.version = version
         if svc.gate.paused:
             raise HTTPException(409, "the service is paused: POST /v1/resume first")
         return await svc.loop.generate_batch(req.groups)

@@ -179,3 +179,17 @@ def test_shipped_examples_run_in_the_service(tmp_path: Path, tiny_model, stacks)
             assert x.status in ("completed", "truncated") and 1 <= x.response_length <= 12
             assert set(x.metadata["rewards"]) == {"correct", "length_penalty"} and x.reward <= 1.0
             assert x.prompt.startswith("<|im_start|>user") and "What is" in x.prompt  # chat template applied
+
+
+def test_on_demand_batches_take_the_version_the_engines_report(tmp_path: Path, tiny_model, stacks) -> None:
+    import httpx
+
+    s = stacks(tiny_model, {"data": {"path": str(write_prompts(tmp_path / "p.jsonl", 8))},
+                            "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 3}}).start()
+    url = s.status()["engines"][0]["url"]
+    # what a weight update leaves behind on the engine (SGLang's /update_weight_version)
+    assert httpx.post(f"{url}/update_weight_version", json={"new_version": "5"}, timeout=30).status_code == 200
+    assert s.post("/v1/generate_batch", {"groups": 1}).json()["groups"] == 1
+    assert s.post("/v1/generate_batch", {"groups": 1, "weight_version": 7}).json()["groups"] == 1
+    versions = sorted(x.weight_version for g in s.lease_all() for x in g.samples)
+    assert versions == [5, 5, 7, 7] and s.status()["weight_version"] == 7
