@@ -14,6 +14,7 @@ similar load); best-of-repeats is printed too.
 
     python bench/weight_sync_bench.py                      # 2 reference engines (headrace engine serve)
     python bench/weight_sync_bench.py --target receiver    # 2 standalone receivers (no model)
+    python bench/weight_sync_bench.py --load-format flattened_bucket --buckets-mb 16,64,256
 
 Prints one line per bucket size with seconds, GB/s and the ratio ours/raw bandwidth (target >= 0.8).
 """
@@ -115,8 +116,9 @@ def main() -> None:
     ap.add_argument("--buckets-mb", default="16,32,64,256")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--load-format", choices=["flattened_bucket", "per_tensor"], default="flattened_bucket",
-                    help="one flat tensor per bucket, or one broadcast per tensor (SGLang's default)")
+    ap.add_argument("--load-format", choices=["auto", "flattened_bucket", "per_tensor"], default="auto",
+                    help="one flat tensor per bucket, or one broadcast per tensor (SGLang's default); "
+                         "auto = WeightSender's default (per tensor on gloo)")
     ap.add_argument("--in-place", action="store_true",
                     help="receiver target, per_tensor: receive straight into the stored tensors (no load copy)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "weight_sync")
@@ -169,7 +171,7 @@ def main() -> None:
         raw_pg = join_update_group("127.0.0.1", port, 0, world, "raw_bench", "gloo", 600)
         flat = torch.cat([t.reshape(-1) for _, t in tensors])
         sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=max(buckets), timeout_s=600,
-                              load_format=None if args.load_format == "per_tensor" else args.load_format)
+                              load_format={"per_tensor": None}.get(args.load_format, args.load_format))
         sender.connect()
         sender.update(tensors, weight_version=0)  # warm-up: first touch of every buffer on both sides
         times: dict[str, list[float]] = {"raw": []}

@@ -10,10 +10,13 @@ default group. A plain ``init_process_group`` on the trainer side would not meet
 
 ``WeightSender.update`` guarantees:
 - the update runs inside ``/begin_weight_update`` ... ``/end_weight_update`` on every engine;
-- tensors go in flat buckets of one dtype and at most ``bucket_bytes`` each (a tensor larger than
-  that gets a bucket of its own), in their given order within a dtype, with
-  ``load_format="flattened_bucket"``: the flat tensor is the concatenation of the flattened
-  tensors in ``names`` order, exactly what SGLang's receiver allocates;
+- tensors go in buckets of one dtype and at most ``bucket_bytes`` each (a tensor larger than
+  that gets a bucket of its own), in their given order within a dtype; one
+  ``/update_weights_from_distributed`` request per bucket. With ``load_format="flattened_bucket"``
+  (the default on NCCL) a bucket is broadcast as one flat tensor, the concatenation of the
+  flattened tensors in ``names`` order, exactly what SGLang's receiver allocates; with ``None``
+  (the default on gloo: on CPU the packing copy costs more than it saves, see
+  bench/weight_sync_bench.py) each tensor is broadcast in ``names`` order, SGLang's default mode;
 - for each bucket the metadata is posted to every engine concurrently (one thread per engine)
   while rank 0 broadcasts, so neither side waits on the other; packing the next bucket overlaps
   the current broadcast;
@@ -248,7 +251,7 @@ class WeightSender:
                  group_name: str = "headrace_weights", master_address: str = "127.0.0.1",
                  master_port: int | None = None, bucket_bytes: int = 256 << 20,
                  timeout_s: float = 300.0, token: str | None = None,
-                 load_format: str | None = FLATTENED) -> None:
+                 load_format: str | None = "auto") -> None:
         self.engines = [e if isinstance(e, EngineTarget) else EngineTarget(**e) for e in engines]
         if not self.engines:
             raise ValueError("WeightSender needs at least one engine")
@@ -261,8 +264,11 @@ class WeightSender:
             raise ValueError("group_name must not be empty")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
-        if load_format not in (FLATTENED, None):
-            raise ValueError(f"load_format must be {FLATTENED!r} or None (one broadcast per tensor), got {load_format!r}")
+        if load_format not in ("auto", FLATTENED, None):
+            raise ValueError(f"load_format must be 'auto', {FLATTENED!r} or None (one broadcast per tensor), "
+                             f"got {load_format!r}")
+        if load_format == "auto":  # measured on CPU: packing costs a copy that per-tensor sends avoid
+            load_format = FLATTENED if backend == "nccl" else None
         self.load_format = load_format
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")

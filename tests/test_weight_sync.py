@@ -93,8 +93,10 @@ def receivers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         proc.stop()
 
 
-def test_update_reaches_every_engine_exactly(receivers: list[str]) -> None:
-    sender = WeightSender([EngineTarget(u) for u in receivers], bucket_bytes=64 << 10, timeout_s=60)
+@pytest.mark.parametrize("load_format", ["flattened_bucket", None])
+def test_update_reaches_every_engine_exactly(receivers: list[str], load_format: str | None) -> None:
+    sender = WeightSender([EngineTarget(u) for u in receivers], bucket_bytes=64 << 10, timeout_s=60,
+                          load_format=load_format)
     sender.connect()
     try:
         for v, seed in ((1, 10), (2, 11)):
@@ -112,9 +114,11 @@ def test_update_reaches_every_engine_exactly(receivers: list[str]) -> None:
     finally:
         sender.shutdown()
     # the engines left the group: a new sender connects with the same group name
-    with WeightSender([EngineTarget(u) for u in receivers], timeout_s=60) as again:
+    with WeightSender([EngineTarget(u) for u in receivers], timeout_s=60, load_format=load_format) as again:
         again.update(model_tensors(12), weight_version=3)
     assert all(version(u) == "3" for u in receivers)
+    assert WeightSender([EngineTarget(receivers[0])]).load_format is None  # "auto" on gloo
+    assert WeightSender([EngineTarget(receivers[0])], backend="nccl").load_format == "flattened_bucket"
 
 
 def test_per_tensor_mode_into_an_in_place_receiver(receivers: list[str], tmp_path: Path) -> None:
