@@ -37,8 +37,17 @@ def train(
     typer.echo(f"headrace train: {world} rank(s) (tp={t.tp} dp={t.dp}, {threads} thread(s) each), "
                f"buffer {cfg.buffer.url}, {mode}", err=True)
     try:
-        results = spawn(run_training_from_dict, world, cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url,
-                        timeout_s=365 * 24 * 3600.0, threads=threads)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # one rank of an outside launcher (Ray, torchrun)
+            if int(os.environ["WORLD_SIZE"]) != world:
+                typer.echo(f"headrace train: WORLD_SIZE={os.environ['WORLD_SIZE']} but trainer.tp x trainer.dp = {world}", err=True)
+                raise typer.Exit(2)
+            import torch
+
+            torch.set_num_threads(threads)
+            results = [run_training_from_dict(cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url)]
+        else:
+            results = spawn(run_training_from_dict, world, cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url,
+                            timeout_s=365 * 24 * 3600.0, threads=threads)
     except (RuntimeError, TimeoutError) as e:
         text = str(e).rstrip()
         last = text.splitlines()[-1] if text else repr(e)
