@@ -4,13 +4,36 @@ The run reads as the loop it supervises: resolve config -> prepare the model -> 
 rollout (which starts the engines) and trainer -> follow metrics.jsonl with a progress bar ->
 stop everything -> plot. The trainer drives the RL loop itself; this module only supervises.
 
+What a run writes to ``<out>`` (``--out``, else ``run.out``): ``config.yaml`` (the resolved config,
+absolute paths and the ports actually used), ``metrics.jsonl`` (one JSON object per step: step,
+reward_mean, loss, kl, entropy, weight_version, samples_per_s, staleness, ...; ``eval_score`` on
+evaluation steps, and a step-0 row with the baseline evaluation), ``metrics.png``, ``ckpt/``
+(trainer checkpoints), ``hf/`` (the final policy as a Hugging Face directory), ``buffer.sqlite``,
+``rollout_state.json`` (the data cursor) and ``logs/<service>.log``.
+
+Placement: ``run.placement: disaggregated`` runs the rollout in continuous mode (generation ahead
+of training within ``buffer.max_staleness`` versions); ``colocated`` forces ``rollout.mode:
+on_demand`` (generate a batch, release the engines' memory, train, resume memory, sync).
+
+Resume: ``headrace run --resume DIR`` reruns the run in DIR from its last checkpoint: the config is
+DIR/config.yaml, with ``HEADRACE_*`` environment overrides applied on top (e.g.
+``HEADRACE_TRAINER__STEPS=500`` to train further; the merged config is written back to
+DIR/config.yaml); ``--config`` and a different ``--out`` are refused. The trainer restores model,
+optimizer, schedule, step and policy version from ``ckpt/latest`` and pushes those weights to the
+engines before the first lease; the buffer (same database: unconsumed groups stay, acked groups are
+never served again) and the rollout's data cursor (same ``rollout_state.json``: no prompt is drawn
+twice) carry on. metrics.jsonl rows after the checkpoint's step (an interrupted run trained past its
+last checkpoint) are dropped so the step column stays increasing. ``headrace run`` checkpoints
+every 10 steps when ``trainer.save_every`` is 0, so an interrupted run loses at most 10 steps.
+
 Guarantees: the resolved config is written to ``<out>/config.yaml`` before any child starts; a
-bad config fails before any process starts; every child is stopped (by pid) on exit, error or
-Ctrl-C; ``--resume DIR`` reuses DIR's config, buffer database, data cursor and checkpoints.
+bad config fails before any process starts (exit 2, the message names the key); every child is
+stopped (by pid, its whole process group) on exit, error or Ctrl-C; Ctrl-C exits 130.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -18,16 +41,28 @@ from typing import Any
 
 from deploy.plot import plot_metrics, read_metrics
 from deploy.supervisor import ChildFailed, Supervisor, free_port, headrace_argv, port_free
-from shared.config import HeadraceConfig, load_config, save_config
+from shared.config import ConfigError, HeadraceConfig, load_config, save_config
+
+
+DEFAULT_SAVE_EVERY = 10
 
 
 def resolve(config_path: str | None, out: str | None, resume: str | None) -> tuple[HeadraceConfig, bool]:
     """The run's config (the built-in demo when no file is given) and whether it is the demo."""
     if resume:
+        if config_path is not None:
+            raise ConfigError(f"--resume {resume} uses {resume}/config.yaml; drop --config (change keys with "
+                              "HEADRACE_* environment variables, e.g. HEADRACE_TRAINER__STEPS=500)")
         saved = Path(resume) / "config.yaml"
         if not saved.is_file():
             raise FileNotFoundError(f"--resume {resume}: no config.yaml there (not a headrace run directory)")
-        return load_config(saved), False
+        if out is not None and Path(out).resolve() != Path(resume).resolve():
+            raise ConfigError(f"--out {out} differs from --resume {resume}: a resumed run writes where it ran")
+        cfg = load_config(saved)
+        if Path(cfg.run.out).resolve() != Path(resume).resolve():
+            raise ConfigError(f"--resume {resume}: its config.yaml has run.out: {cfg.run.out} (the run was moved?); "
+                              "resume it where it ran")
+        return cfg, False
     if config_path is None:
         import tempfile
 
@@ -82,10 +117,40 @@ def prepare_model(cfg: HeadraceConfig, demo: bool) -> None:
                                 "(make one with `headrace init-model --preset tiny-qwen2 --out DIR`)")
 
 
+def checkpoint_step(ckpt_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint in ``ckpt_dir`` (reads only files), or None."""
+    marker = ckpt_dir / "latest"
+    if not marker.is_file():
+        return None
+    path = ckpt_dir / marker.read_text().strip()
+    try:
+        return int(json.loads((path / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trim_metrics(metrics_path: Path, last_step: int) -> int:
+    """Drop metrics rows after ``last_step`` (trained past the checkpoint, redone on resume); returns how many."""
+    if not metrics_path.is_file():
+        return 0
+    lines = metrics_path.read_text().splitlines()
+    keep = [ln for ln in lines if _row_step(ln) is not None and _row_step(ln) <= last_step]
+    if len(keep) != len(lines):
+        metrics_path.write_text("".join(ln + "\n" for ln in keep))
+    return len(lines) - len(keep)
+
+
+def _row_step(line: str) -> int | None:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class _Progress:
     """A rich progress bar fed from metrics.jsonl; plain lines when stdout is not a terminal."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, done: int = 0, seen: list[dict[str, Any]] | None = None) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -93,9 +158,10 @@ class _Progress:
         self.tty = self.console.is_terminal
         self.progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console, disable=not self.tty)
-        self.task = self.progress.add_task("train", total=total, info="starting")
-        self.seen = 0
-        self.last_eval: float | None = None
+        self.task = self.progress.add_task("train", total=total, completed=done, info="starting")
+        self.seen = len(seen or [])       # rows of an earlier (resumed) run are not shown again
+        evals = [r["eval_score"] for r in seen or [] if r.get("eval_score") is not None]
+        self.last_eval: float | None = evals[-1] if evals else None
 
     def __enter__(self) -> "_Progress":
         self.progress.__enter__()
@@ -123,19 +189,45 @@ def _fmt(name: str, v: Any, spec: str = ".3f") -> str:
 
 
 def run_local(config_path: str | None = None, out: str | None = None, resume: str | None = None) -> int:
-    """Run everything on this machine; returns the process exit code."""
+    """Run everything on this machine; returns the process exit code (0 done, 1 a service failed, 130 Ctrl-C).
+
+    Raises ``ConfigError`` / ``FileNotFoundError`` for a bad config, a missing model or a bad
+    ``--resume`` directory, before any child process starts.
+    """
+    try:
+        return _run(config_path, out, resume)
+    except KeyboardInterrupt:          # during config resolution or the demo's warm-up: nothing to stop
+        print("\nheadrace run: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     cfg, demo = resolve(config_path, out, resume)
     cfg = _absolute(cfg)
     out_dir = Path(cfg.run.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     prepare_model(cfg, demo)
     if cfg.run.placement == "colocated":
         cfg.rollout.mode = "on_demand"
     cfg.trainer.export_hf = True
+    if not cfg.trainer.save_every:
+        cfg.trainer.save_every = DEFAULT_SAVE_EVERY
+    metrics_path = out_dir / "metrics.jsonl"
+    done = checkpoint_step(Path(cfg.trainer.checkpoint_dir)) or 0
+    if resume:
+        dropped = trim_metrics(metrics_path, done)
+        print(f"headrace run: resuming {out_dir} at step {done} of {cfg.trainer.steps}"
+              + (f" ({dropped} metrics rows after the checkpoint dropped)" if dropped else ""), flush=True)
+        if done >= cfg.trainer.steps:
+            print(f"headrace run: already at trainer.steps={cfg.trainer.steps}; to train further raise it, e.g. "
+                  f"HEADRACE_TRAINER__STEPS={cfg.trainer.steps * 2} headrace run --resume {out_dir}", flush=True)
+    elif done or metrics_path.exists():
+        raise ConfigError(f"{out_dir} already holds a run (checkpoint at step {done}, {metrics_path.name}); "
+                          f"continue it with `headrace run --resume {out_dir}` or pass another --out")
+    out_dir.mkdir(parents=True, exist_ok=True)
     _pick_ports(cfg)
     config_file = save_config(cfg, out_dir / "config.yaml")
-    metrics_path = out_dir / "metrics.jsonl"
-    print(f"headrace run: out={out_dir} placement={cfg.run.placement} model={cfg.model}", flush=True)
+    print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}) model={cfg.model}",
+          flush=True)
     start = time.monotonic()
     code = 0
     with Supervisor(out_dir / "logs") as sup:
@@ -149,7 +241,7 @@ def run_local(config_path: str | None = None, out: str | None = None, resume: st
             trainer = sup.start("trainer", headrace_argv("train", "--config", str(config_file),
                                                          "--rollout-url", cfg.rollout.url),
                                 threads=cfg.trainer.threads or 1)
-            with _Progress(cfg.trainer.steps) as bar:
+            with _Progress(cfg.trainer.steps, done, read_metrics(metrics_path)) as bar:
                 while trainer.alive():
                     sup.check()
                     bar.update(read_metrics(metrics_path))
@@ -164,11 +256,15 @@ def run_local(config_path: str | None = None, out: str | None = None, resume: st
             print(f"headrace run: {e}", file=sys.stderr, flush=True)
             code = 1
     rows = read_metrics(metrics_path)
-    if rows:
+    steps = [r["step"] for r in rows if isinstance(r.get("step"), int) and r.get("loss") is not None]
+    if steps:
         png = plot_metrics(metrics_path, out_dir / "metrics.png", title=f"headrace run ({cfg.run.placement})")
         evals = [r["eval_score"] for r in rows if r.get("eval_score") is not None]
-        summary = f"{len(rows)} steps in {time.monotonic() - start:.0f}s"
+        summary = f"at step {steps[-1]} of {cfg.trainer.steps} after {time.monotonic() - start:.0f}s"
         if evals:
-            summary += f"; eval score {evals[0]:.2f} -> {evals[-1]:.2f}"
-        print(f"headrace run: {summary}; metrics {metrics_path}, plot {png}", flush=True)
+            summary += f"; eval score {evals[0]:.3f} -> {evals[-1]:.3f}"
+        print(f"headrace run: {summary}; metrics {metrics_path}, plot {png}"
+              + (f", policy {cfg.resolved_path(cfg.trainer.export_hf_dir, 'hf')}" if code == 0 else ""), flush=True)
+    if code == 130:
+        print(f"headrace run: continue with `headrace run --resume {out_dir}`", file=sys.stderr, flush=True)
     return code

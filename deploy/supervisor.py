@@ -3,7 +3,7 @@
 Guarantees: every child runs in its own process group with bounded torch threads and
 ``OMP_WAIT_POLICY=PASSIVE`` (several spinning OpenMP pools on 2 cores slow each other ~30x);
 ``stop_all`` sends SIGTERM to each child's group in reverse start order, then SIGKILL after a
-grace period, so one Ctrl-C leaves no process behind. Nothing here signals a process it did not start.
+grace period (further Ctrl-Cs are ignored meanwhile), so one Ctrl-C leaves no process behind. Nothing here signals a process it did not start.
 """
 
 from __future__ import annotations
@@ -34,6 +34,35 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of ``pid``: with the pid it names one process, never a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def descendants(pid: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of ``pid`` (Linux /proc; empty elsewhere)."""
+    out: list[tuple[int, int]] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        kids: list[int] = []
+        for task in Path(f"/proc/{p}/task").glob("*/children"):
+            try:
+                kids += [int(k) for k in task.read_text().split()]
+            except OSError:
+                pass
+        for k in kids:
+            t = _start_time(k)
+            if t is not None:
+                out.append((k, t))
+                todo.append(k)
+    return out
 
 
 def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -109,6 +138,20 @@ class Supervisor:
                 raise ChildFailed(f"{c.name} exited with code {c.popen.returncode} (log {c.log_path}):\n{c.tail()}")
 
     def stop_all(self, grace_s: float = 20.0) -> None:
+        """Stop every child (reverse start order); a further Ctrl-C meanwhile cannot cut this short."""
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self._stop_all(grace_s)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        else:
+            self._stop_all(grace_s)
+
+    def _stop_all(self, grace_s: float) -> None:
+        spawned = [d for c in self.children if c.alive() for d in descendants(c.popen.pid)]
         for c in reversed(self.children):
             if c.alive():
                 try:
@@ -126,6 +169,12 @@ class Supervisor:
                     pass
                 c.popen.wait(10)
             c._log.close()
+        for pid, started in spawned:   # what a child started and failed to stop (e.g. engines of a killed rollout)
+            if _start_time(pid) == started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def __enter__(self) -> "Supervisor":
         return self

@@ -11,7 +11,10 @@ Guarantees: the rollout resumes only after every engine confirmed the new weight
 (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the engine, and the
 step fails with its lease released); only the ranks of data-parallel replica 0 take part in the
 TP gather, and only global rank 0 talks HTTP; evaluation results are returned as metrics of the
-step (``eval_score`` = pass@1 on the held-out prompts, ``eval_reward_mean``).
+step (``eval_score`` = pass@1 on the held-out prompts, ``eval_reward_mean``) every ``run.eval_every``
+steps and at the last step (``trainer.steps``), plus a baseline at step 0 of a fresh run; a resumed
+run first pushes its restored weights to the engines (``initial_metrics``), so the engines never
+serve the initial weights under the resumed version.
 """
 
 from __future__ import annotations
@@ -54,8 +57,22 @@ class EngineSync:
                 "eval_s": time.perf_counter() - t0}
 
     def initial_metrics(self, st: Any) -> dict[str, Any]:
-        """Before the first step of a fresh run: the baseline evaluation (logged as step 0)."""
-        return self.evaluate(st.step) if st.step == 0 else {}
+        """Before the first step. A fresh run: the baseline evaluation (logged as step 0). A resumed
+        run: push the restored policy to the engines first, so that nothing is generated and tagged
+        with the resumed version by weights the engines loaded from ``cfg.model`` (collective on the
+        ranks of replica 0, like every sync)."""
+        if st.step == 0:
+            return self.evaluate(st.step)
+        version = st.policy_version
+        if self.rank0 and not self.on_demand:
+            self.rollout.pause("abort")
+        t0 = time.perf_counter()
+        self._sync(st, version)
+        if self.rank0:
+            self.rollout.resume(version)
+            log.info("resumed at step %d: engines now serve policy version %d (%.2fs)", st.step, version,
+                     time.perf_counter() - t0)
+        return {}
 
     # -- hook --
 
@@ -79,7 +96,7 @@ class EngineSync:
         if self.rank0:
             self.rollout.resume(version)
             every = self.cfg.run.eval_every
-            if every and st.step % every == 0:
+            if every and (st.step % every == 0 or st.step == self.cfg.trainer.steps):
                 metrics.update(self.evaluate(st.step))
         return metrics
 
