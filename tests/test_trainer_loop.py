@@ -65,7 +65,8 @@ def synthetic_groups(n: int, start: int = 0, vocab: int = 512, size: int = 4) ->
 
 
 def write_config(tmp_path: Path, model_dir: Path, url: str, **trainer) -> Path:
-    cfg = {"model": str(model_dir), "buffer": {"url": url, "lease_s": 120},
+    # max_staleness as the buffer was started: the fixed groups (weight_version 0) stay leasable
+    cfg = {"model": str(model_dir), "buffer": {"url": url, "lease_s": 120, "max_staleness": 1000},
            "rollout": {"groups_per_step": GROUPS_PER_STEP},
            "trainer": {"tp": 1, "dp": 1, "lr": 3e-3, "steps": 100, "lease_wait_s": 1.0, "micro_batch_tokens": 64,
                        "checkpoint_dir": str(tmp_path / "ckpt"), "threads": 1, **trainer},

@@ -110,8 +110,10 @@ class LeaseSource:
             if lease is not None:
                 break
             if self.train_only:
+                st = self.client.stats()
                 return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
-                                                  f"within {self.cfg.trainer.lease_wait_s}s"}
+                                                  f"within {self.cfg.trainer.lease_wait_s}s (queued {st.queued}, "
+                                                  f"leased {st.leased}, consumed {st.consumed})"}
             log.info("waiting for %d groups in the buffer", n)
         wait = time.perf_counter() - t0
         try:
