@@ -187,6 +187,13 @@ class MicroBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        """The same micro-batch with every tensor on ``device`` (a no-op on CPU)."""
+        names = ("input_ids", "position_ids", "cu_seqlens", "target_ids", "loss_mask", "seq_index",
+                 "rollout_logprobs", "has_rollout")
+        moved = {n: getattr(self, n).to(device, non_blocking=True) for n in names}
+        return MicroBatch(self.sample_ids, **moved, extras={k: v.to(device) for k, v in self.extras.items()})
+
 
 def _pack_one(batch: TrainBatch, ids: list[int]) -> MicroBatch:
     inp, pos, tgt, msk, sidx, rlp, hr = [], [], [], [], [], [], []

@@ -120,7 +120,8 @@ def tp_sharded(model: nn.Module) -> set[int]:
 def grad_norm(params: Iterable[nn.Parameter], tp_group: dist.ProcessGroup | None, tp: int, tp_rank: int,
               sharded: set[int] | None = None) -> float:
     """Global L2 norm of the gradients of a TP-sharded model (see the module docstring)."""
-    sq = torch.zeros((), dtype=torch.float64)
+    params = list(params)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
     for p in params:
         if p.grad is None:
             continue

@@ -70,7 +70,7 @@ def _logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy
 
 
 def _dp_sum(values: list[float], info: Any) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=getattr(info, "device", None))  # NCCL: on the GPU
     if info.dp > 1:
         dist.all_reduce(t, group=info.dp_group)
     return t.tolist()
@@ -94,6 +94,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     normalize = default_norm if cfg.normalize_std is None else cfg.normalize_std
     aggregation = "seq_mean_token_mean" if kind == "gspo" else cfg.aggregation
     use_ref = cfg.kl_coef > 0 and st.ref_model is not None
+    device = getattr(info, "device", torch.device("cpu"))
 
     # ---- layout: mini-batches of whole groups, this rank's share of each, packed
     chunks = _chunks(batch, cfg.mini_batches)
@@ -101,7 +102,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     for ids in chunks:
         trainable = [i for i in ids if batch.samples[i].trained_tokens > 0]
         shard = shard_for_dp([len(batch.samples[i].tokens) - 1 for i in trainable], info.dp)[info.dp_rank]
-        mbs = pack(batch, [trainable[k] for k in shard], cfg.micro_batch_tokens)
+        mbs = [mb.to(device) for mb in pack(batch, [trainable[k] for k in shard], cfg.micro_batch_tokens)]
         plan.append((mbs, float(sum(batch.samples[i].trained_tokens for i in trainable)), float(len(trainable))))
     all_mbs = [mb for mbs, _, _ in plan for mb in mbs]
 
@@ -117,18 +118,19 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     # ---- advantages (global: every rank holds the whole batch's rewards)
     rewards, valid = batch.rewards()
     if use_ref and cfg.kl_in_reward:
-        kl_sum = torch.zeros(len(batch.samples), dtype=torch.float64)  # KL per sample, summed over tokens
+        kl_sum = torch.zeros(len(batch.samples), dtype=torch.float64, device=device)  # per sample, over tokens
         for mb in all_mbs:
             per_tok = kl_penalty(mb.extras["old"], mb.extras["ref"], cfg.kl_kind) * mb.loss_mask
-            per_seq = torch.zeros(len(mb.sample_ids)).index_add_(0, mb.seq_index, per_tok)
+            per_seq = torch.zeros(len(mb.sample_ids), device=device).index_add_(0, mb.seq_index, per_tok)
             kl_sum[mb.sample_ids] += per_seq.double()
         if info.dp > 1:
             dist.all_reduce(kl_sum, group=info.dp_group)
+        kl_sum = kl_sum.cpu()
         rewards = rewards - cfg.kl_coef * kl_sum.float()
         kl_reward_tokens = float(kl_sum.sum())
     adv = ragged_group_advantages(rewards, batch.group_sizes, valid, estimator=estimator, normalize_std=normalize)
     for mb in all_mbs:
-        mb.extras["adv"] = adv[mb.sample_ids][mb.seq_index]
+        mb.extras["adv"] = adv[mb.sample_ids].to(device)[mb.seq_index]
 
     # ---- train-vs-rollout mismatch and policy statistics, on the old logprobs
     s = dict.fromkeys(["tok", "lp_sum", "pos_tok", "pos_lp", "r_tok", "r_abs", "r_diff", "tokens"], 0.0)
