@@ -72,6 +72,34 @@ def test_logprobs_reject_bad_shapes_and_temperature() -> None:
         vocab_parallel_logprobs(torch.zeros(3, 5), torch.zeros(3, dtype=torch.long), temperature=0.0)
 
 
+@pytest.mark.parametrize("lens", [(5, 5, 5), (7, 1, 12, 5), (40, 3, 3, 3, 3, 2, 9, 1)])
+def test_packed_attention_matches_per_sequence_loop(lens: tuple[int, ...]) -> None:
+    """Bucketed padded attention == one causal SDPA per sequence, values and gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.model.attention import packed_causal_attention, plan
+
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    g = torch.Generator().manual_seed(len(lens))
+    q, k, v = (torch.randn(bounds[-1], 3, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    p = plan(bounds, torch.device("cpu"))
+    if len(lens) == 8:
+        assert len(p.buckets) > 1, "a 40-token sequence must not pad the short ones"
+    out = packed_causal_attention(q, k, v, p)
+    ref = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                                    is_causal=True).transpose(0, 1).reshape(b - a, -1)
+                     for a, b in zip(bounds, bounds[1:])])
+    w = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    assert torch.allclose(out, ref, atol=1e-12)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- TP=2, logits only
 def rank_vocab_parallel(logits: Any, targets: Any, g_lp: Any, g_ent: Any, temperature: float) -> dict[str, Any]:
     """Each rank takes its vocabulary slice (uneven: 6 + 5 of 11), computes, backpropagates."""

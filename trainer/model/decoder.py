@@ -19,7 +19,7 @@ dropped on export; ``forward`` returns this rank's logits without the padding co
 
 Inputs are one packed token stream: ``input_ids`` [T], ``position_ids`` [T] and ``cu_seqlens``
 [S+1] (sequence boundaries, cu_seqlens[0] == 0, cu_seqlens[-1] == T). Attention is causal inside
-each sequence and never crosses a boundary.
+each sequence and never crosses a boundary (``trainer.model.attention``).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from trainer.model.attention import AttentionPlan, packed_causal_attention
+from trainer.model.attention import plan as plan_attention
 from trainer.model.logprobs import vocab_parallel_logprobs
 from trainer.model.support import check_tp_compatible, padded_dims
 from trainer.parallel import ParallelInfo
@@ -80,7 +82,7 @@ class Attention(torch.nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         T, hd = x.shape[0], self.head_dim
         qkv, _ = self.qkv(x)
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
@@ -92,18 +94,7 @@ class Attention(torch.nn.Module):
             group = self.n_heads // self.n_kv
             k = k.unsqueeze(2).expand(T, self.n_kv, group, hd).reshape(T, self.n_heads, hd)
             v = v.unsqueeze(2).expand(T, self.n_kv, group, hd).reshape(T, self.n_heads, hd)
-        lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        if all(n == lens[0] for n in lens):
-            # equal lengths: one batched causal call, [S, heads, L, hd]
-            S, L = len(lens), lens[0]
-            q, k, v = (t.view(S, L, self.n_heads, hd).transpose(1, 2) for t in (q, k, v))
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(T, -1)
-        else:
-            # [T, heads, hd] -> [heads, T, hd]; one causal call per packed sequence
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-            outs = [F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b], is_causal=True)
-                    for a, b in zip(bounds[:-1], bounds[1:])]
-            attn = torch.cat(outs, dim=1).transpose(0, 1).reshape(T, -1)
+        attn = packed_causal_attention(q, k, v, plan)
         out, _ = self.o(attn)
         return out
 
@@ -136,8 +127,8 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, cfg.params_dtype)
         self.mlp = MLP(arch, cfg, group)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, bounds)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, plan)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -189,11 +180,11 @@ class TPDecoder(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Local logits shard [T, V_local] (this rank's vocabulary slice, padding columns dropped)."""
-        bounds = self._check_inputs(input_ids, position_ids, cu_seqlens)
+        attn_plan = plan_attention(self._check_inputs(input_ids, position_ids, cu_seqlens), input_ids.device)
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, bounds)
+            x = layer(x, cos, sin, attn_plan)
         x = self.norm(x)
         logits, _ = self.lm_head(x, weight=self.embed.weight if self.tied else None)
         return logits[:, : self.vocab_valid] if self.vocab_valid < self.vocab_local else logits
