@@ -276,12 +276,21 @@ def test_tp2_dp2_group_layout() -> None:
     assert got == [(0, 0, 0, 1.0, 2.0), (1, 1, 0, 1.0, 4.0), (2, 0, 1, 5.0, 2.0), (3, 1, 1, 5.0, 4.0)]
 
 
-def test_dp2_groups_and_world_size_mismatch() -> None:
+def test_dp2_groups() -> None:
     from trainer.launch import spawn
 
     assert spawn(rank_groups, 2, 1, 2) == [(0, 0, 0, 0.0, 1.0), (1, 0, 1, 1.0, 1.0)]
-    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 but tp\*dp = 2\*2 = 4"):
-        spawn(rank_groups, 2, 2, 2)
+
+
+def test_world_size_mismatch_is_refused_before_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer.parallel import init_distributed
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=2 but tp\*dp = 2\*2 = 4"):
+        init_distributed(2, 2)
+    with pytest.raises(ValueError, match="must both be >= 1"):
+        init_distributed(0)
 
 
 def rank_fails_on_one(bad_rank: int, how: str) -> int:
