@@ -211,7 +211,8 @@ def _hf_grads(model_dir: Path, seqs: list[list[int]], weights: Any) -> tuple[flo
 @pytest.fixture(scope="module")
 def grad_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("grads")
-    return {"tiny-qwen2": preset_model("tiny-qwen2", root / "q", seed=4), "odd-llama": odd_llama(root / "o", seed=2)}
+    return {"tiny-qwen2": preset_model("tiny-qwen2", root / "q", seed=4), "odd-llama": odd_llama(root / "o", seed=2),
+            "qwen3-tiny": preset_model("qwen3-tiny", root / "q3", seed=5)}  # per-head q/k norm split over TP
 
 
 def test_model_gradients_tp2_match_tp1_and_transformers(grad_models: dict[str, Path]) -> None:

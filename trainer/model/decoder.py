@@ -50,16 +50,38 @@ def _no_init(_: torch.Tensor) -> None:
     """Weights come from the checkpoint; megatron's initialisers are never called."""
 
 
-class RMSNorm(torch.nn.Module):
-    """HF RMSNorm (replicated on every TP rank)."""
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (Megatron's "copy to TP region")."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class RMSNorm(torch.nn.Module):
+    """HF RMSNorm (replicated on every TP rank).
+
+    ``partial_group``: set when this rank normalises only part of the inputs the weight sees (Qwen3's
+    per-head q/k norm, heads split over TP): the weight's gradient is then summed over that group,
+    so every rank holds the full, identical gradient of the replicated weight.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, partial_group: Any = None) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.partial_group = partial_group if partial_group is not None and partial_group.size() > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        w = self.weight if self.partial_group is None else _SumGradOverGroup.apply(self.weight, self.partial_group)
+        return rms_norm(x, w, self.eps)
 
 
 class Attention(torch.nn.Module):
@@ -77,8 +99,8 @@ class Attention(torch.nn.Module):
                                    init_method=_no_init, bias=arch.o_bias, input_is_parallel=True,
                                    skip_bias_add=False, tp_group=group)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype)
+            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype, partial_group=group)
+            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, cfg.params_dtype, partial_group=group)
         else:
             self.q_norm = self.k_norm = None
 
