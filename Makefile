@@ -9,7 +9,7 @@ SGLANG_VENV ?= .venv-sglang
 
 # 1. The demo: the built-in CPU run (model, warm-up, GRPO on arithmetic) with `headrace run`.
 demo: venv
-	$(VENV)/bin/headrace run --out runs/demo
+	$(VENV)/bin/headrace run
 
 # 2. The whole test suite, including the SGLang tier (builds its venv first).
 test: venv sglang-venv

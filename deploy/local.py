@@ -201,8 +201,25 @@ def run_local(config_path: str | None = None, out: str | None = None, resume: st
         return 130
 
 
+def _fresh_out(path: Path) -> Path:
+    """``path`` if it holds no run yet, else the first free ``path-2``, ``path-3``, ..."""
+    def holds_run(p: Path) -> bool:
+        return (p / "metrics.jsonl").exists() or (p / "ckpt").exists()
+
+    n, candidate = 2, path
+    while holds_run(candidate):
+        candidate = path.with_name(f"{path.name}-{n}")
+        n += 1
+    return candidate
+
+
 def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     cfg, demo = resolve(config_path, out, resume)
+    if not resume and out is None:      # no --out: never refuse, take the next free directory instead
+        fresh = _fresh_out(Path(cfg.run.out))
+        if fresh != Path(cfg.run.out):
+            print(f"headrace run: {cfg.run.out} already holds a run; writing to {fresh}", flush=True)
+            cfg.run.out = str(fresh)
     cfg = _absolute(cfg)
     out_dir = Path(cfg.run.out)
     prepare_model(cfg, demo)
