@@ -5,11 +5,16 @@ order). Every service stays the same command it is everywhere else (``headrace b
 ``headrace engine serve`` or SGLang, ``headrace rollout serve``, ``headrace train``); a Ray actor
 only pins it to its resources and owns its process:
 
-- buffer and rollout service: CPU-only actors on the driver's node;
+- buffer and rollout service: CPU-only actors pinned to the driver's node;
 - engines: one actor per engine, on the bundle of its TP rank 0, with CUDA_VISIBLE_DEVICES set to
   the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL;
 - trainer: one actor per rank on its bundle, torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR =
-  rank 0's node, MASTER_PORT); ``headrace train`` runs that single rank.
+  rank 0's node, MASTER_PORT); ``headrace train`` runs that single rank. On several nodes the
+  engines join the weight-sync group at rank 0's node (``trainer.sync_address``).
+
+Every actor is stopped (its process group SIGTERM, then SIGKILL) and the placement group removed
+when the run ends, fails or is interrupted; a placement group Ray cannot reserve is an error after
+``PG_TIMEOUT_S`` naming the bundles and the cluster's resources.
 
 Colocated: trainer ranks and engines share bundles with fractional GPU shares, and the rollout
 runs on demand (the synchronous loop releases engine memory while training). Disaggregated:
@@ -32,6 +37,7 @@ from deploy.plan import Placement, Plan, make_plan, ray_nodes
 from shared.config import HeadraceConfig, save_config
 
 CPUS_PER_BUNDLE = 1
+PG_TIMEOUT_S = 600.0
 
 
 def _free_port() -> int:
@@ -119,7 +125,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
     """Connect to RAY_ADDRESS (or start a local Ray), place, run the loop to the end; returns the trainer's exit code."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
@@ -130,8 +136,16 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
     out = Path(cfg.run.out).resolve()
     logs = str(out / "logs")
     pg = placement_group([{"GPU": 1, "CPU": CPUS_PER_BUNDLE} for _ in plan.bundles], strategy="PACK")
-    ray.get(pg.ready(), timeout=600)
+    try:
+        ray.get(pg.ready(), timeout=PG_TIMEOUT_S)
+    except Exception as e:  # GetTimeoutError: Ray cannot reserve the bundles (e.g. too few CPUs per GPU node)
+        remove_placement_group(pg)
+        raise RuntimeError(f"placement group of {len(plan.bundles)} bundles {{GPU: 1, CPU: {CPUS_PER_BUNDLE}}} not ready "
+                           f"after {PG_TIMEOUT_S:.0f}s ({type(e).__name__}); cluster resources {ray.cluster_resources()}, "
+                           f"available {ray.available_resources()}") from None
     share = 0.5 if placement == "colocated" else 1.0
+    # buffer and rollout bind an address of the driver's node: pin them there
+    driver_node = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
 
     def on(bundle: int) -> Any:
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
@@ -158,7 +172,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             run_cfg.rollout.mode = "on_demand"
         run_cfg.run.placement = placement
 
-        buffer = Service.options(num_cpus=0).remote("buffer", [sys.executable, "-m", "deploy.cli", "buffer", "serve",
+        buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("buffer", [sys.executable, "-m", "deploy.cli", "buffer", "serve",
                                                    "--host", host, "--port", str(run_cfg.buffer.port),
                                                    "--db", str(run_cfg.buffer.db or out / "buffer.sqlite"),
                                                    "--capacity", str(cfg.buffer.capacity),
@@ -183,9 +197,11 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         run_cfg.rollout.engines.backend = "external"
         run_cfg.rollout.engines.urls = [u for u, _ in urls]
         run_cfg.rollout.engines.tp = cfg.run.engine_tp
+        if host != "127.0.0.1":   # engines on other nodes join the weight-sync group at trainer rank 0's node
+            run_cfg.trainer.sync_address = where[0]["ip"]
         config_file = save_config(run_cfg, out / "config.yaml")
 
-        rollout = Service.options(num_cpus=0).remote("rollout", [sys.executable, "-m", "deploy.cli", "rollout", "serve",
+        rollout = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("rollout", [sys.executable, "-m", "deploy.cli", "rollout", "serve",
                                                      "--config", str(config_file)], {}, logs, False)
         actors.append(rollout)
         _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)

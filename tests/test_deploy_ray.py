@@ -97,7 +97,8 @@ def test_plans_on_ray_nodes_with_4_and_8_fake_gpus() -> None:
             ray.shutdown()
 
 
-def test_infeasible_launch_fails_fast_without_starting_anything(tmp_path: Path) -> None:
+def test_infeasible_launch_fails_fast_without_starting_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import deploy.ray_launch as rl
     from deploy.ray_launch import launch_on_ray
 
     if ray.is_initialized():
@@ -112,6 +113,13 @@ def test_infeasible_launch_fails_fast_without_starting_anything(tmp_path: Path) 
         with pytest.raises(PlanError, match=r"engine_tp \(2\) must divide run.num_gpus.rollout \(1\)"):
             launch_on_ray(cfg(1, 1, 1, 1, 2), "colocated")
         assert time.monotonic() - t0 < 60   # generous bound: "fast" means no waiting on resources
+        # enough GPUs but bundles Ray cannot reserve (4 CPUs per bundle on a 2-CPU cluster): a clear error
+        monkeypatch.setattr(rl, "CPUS_PER_BUNDLE", 4)
+        monkeypatch.setattr(rl, "PG_TIMEOUT_S", 3.0)
+        ok = cfg(1, 1, 1, 1, 1)
+        ok.run.out = str(tmp_path / "out")
+        with pytest.raises(RuntimeError, match=r"placement group of 2 bundles \{GPU: 1, CPU: 4\} not ready after 3s"):
+            launch_on_ray(ok, "disaggregated")
         assert not (tmp_path / "out").exists()
         assert ray.util.placement_group_table() == {} or all(
             p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
@@ -126,7 +134,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(init_model("tiny-qwen2", tmp_path_factory.mktemp("model") / "tiny-qwen2"))
 
 
-def _run_config(tmp_path: Path, model: Path, placement: str) -> HeadraceConfig:
+def _run_config(tmp_path: Path, model: Path, placement: str, dp: int) -> HeadraceConfig:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(32)))
     tree = {
@@ -135,9 +143,9 @@ def _run_config(tmp_path: Path, model: Path, placement: str) -> HeadraceConfig:
         "rollout": {"engines": {"backend": "reference", "threads": 1, "startup_timeout_s": 240},
                     "data": {"path": str(prompts)}, "n_samples_per_prompt": 2, "groups_per_step": 2,
                     "max_concurrency": 4, "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match"},
-        "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 10, "micro_batch_tokens": 256},
+        "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 10, "micro_batch_tokens": 256, "dp": dp},
         "run": {"placement": placement, "out": str(tmp_path / "run"), "eval_every": 0,
-                "num_gpus": {"trainer": 1, "rollout": 1}, "engine_tp": 1},
+                "num_gpus": {"trainer": dp, "rollout": 1}, "engine_tp": 1},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -145,21 +153,24 @@ def _run_config(tmp_path: Path, model: Path, placement: str) -> HeadraceConfig:
 
 
 @pytest.fixture
-def ray_2gpus() -> Iterator[None]:
+def ray_3gpus() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
-    _start_ray(2)
+    _start_ray(3, cpus=3)
     yield
     ray.shutdown()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_short_run_on_ray_completes(tmp_path: Path, model_dir: Path, ray_2gpus: None, placement: str) -> None:
+@pytest.mark.parametrize("placement, dp", [("colocated", 1), ("disaggregated", 2)])
+def test_short_run_on_ray_completes(tmp_path: Path, model_dir: Path, ray_3gpus: None, placement: str, dp: int) -> None:
+    """colocated: trainer rank and engine share one bundle (0.5 GPU each), rollout on demand;
+    disaggregated: two trainer-rank actors (DP=2, gloo group over MASTER_ADDR/PORT) on two bundles,
+    the engine on a third."""
     from deploy.ray_launch import launch_on_ray
 
-    c = _run_config(tmp_path, model_dir, placement)
+    c = _run_config(tmp_path, model_dir, placement, dp)
     assert launch_on_ray(c, placement) == 0   # type: ignore[arg-type]
     out = tmp_path / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -169,10 +180,13 @@ def test_short_run_on_ray_completes(tmp_path: Path, model_dir: Path, ray_2gpus: 
     assert resolved.rollout.engines.backend == "external" and len(resolved.rollout.engines.urls) == 1
     assert resolved.rollout.mode == ("on_demand" if placement == "colocated" else "continuous")
     logs = {p.name for p in (out / "logs").iterdir()}
-    assert {"buffer.log", "engine0.log", "rollout.log", "trainer0.log"} <= logs, logs
+    assert {"buffer.log", "engine0.log", "rollout.log"} | {f"trainer{r}.log" for r in range(dp)} <= logs, logs
+    for r in range(dp):   # each actor ran exactly one rank of a job of size dp
+        text = (out / "logs" / f"trainer{r}.log").read_text()
+        assert f"headrace train: done at step {STEPS}" in text, text[-3000:]
     # the placement group is removed and every actor's GPU share is back
     assert all(p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
     deadline = time.monotonic() + 30
-    while ray.available_resources().get("GPU") != 2.0 and time.monotonic() < deadline:
+    while ray.available_resources().get("GPU") != 3.0 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray.available_resources().get("GPU") == 2.0, ray.available_resources()
+    assert ray.available_resources().get("GPU") == 3.0, ray.available_resources()
