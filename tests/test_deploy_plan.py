@@ -115,7 +115,11 @@ def test_compose_services_are_real_headrace_commands() -> None:
     assert services["rollout"]["ports"] == [f"{params['rollout']['port']}:{params['rollout']['port']}"]
     assert params["rollout"]["buffer_url"] == f"http://buffer:{params['buffer']['port']}"
     assert params["trainer"]["buffer_url"] == f"http://buffer:{params['buffer']['port']}"
-    assert params["trainer"]["rollout_url"] == f"http://rollout:{params['rollout']['port']}"
+    # the trainer shares the rollout container's network (engines are on its 127.0.0.1)
+    assert services["trainer"]["network_mode"] == "service:rollout" and "ports" not in services["trainer"]
+    assert params["trainer"]["rollout_url"] == f"http://127.0.0.1:{params['rollout']['port']}"
+    for svc in services.values():   # the token reaches every service under the config key buffer.token
+        assert "HEADRACE_BUFFER__TOKEN" in svc["environment"]
     assert f":{params['buffer']['port']}/health" in " ".join(services["buffer"]["healthcheck"]["test"])
     assert params["buffer"]["db"].startswith("/data/")
     for gpu_service in ("rollout", "trainer"):
