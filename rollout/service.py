@@ -116,6 +116,12 @@ class RolloutService:
         self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.buffer.token, retries=1, timeout=30.0)
         self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
                                 self.reward_fn, self.filter_fn, self.buffer, self.run_id, self.http)
+        # A restarted service must tag samples with the version its engines hold (a trainer may have
+        # pushed several versions already), or everything it generates is evicted as stale.
+        version = await self.engines_version()
+        if version:
+            self.fleet.set_version(version)
+            self.gate.version = version
         self.loop.start()
         log.info("rollout service up: %d engines, mode %s, run id %s, data at %s", len(self.fleet.engines),
                  rc.mode, self.run_id, self.data.state())

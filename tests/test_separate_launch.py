@@ -49,10 +49,7 @@ def _stats(url: str) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("restart", [
     False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "rollout service bug (rollout/service.py, not deploy): a restarted continuous-mode service starts "
-        "at weight version 0 instead of the version its engines report, so every group it makes is evicted "
-        "as stale and its prompt slots are burnt; fix requested from the ROLLOUT owner"))),
+    True,
 ], ids=["no-restart", "rollout-kill9-restart"])
 def test_separately_launched_services(tmp_path: Path, restart: bool) -> None:
     from shared.modelzoo import init_model
