@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,29 +17,19 @@ from typing import Sequence
 
 import httpx
 
+from deploy.supervisor import child_env as service_env
+from deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
+from deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
     """Environment for a child process: quiet OpenMP, bounded threads, repo on the path."""
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env = service_env(threads)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
-
-
-def headrace_cmd(*args: str) -> list[str]:
-    """Command line running ``headrace ARGS`` with this interpreter."""
-    return [sys.executable, "-m", "deploy.cli", *args]
 
 
 class Proc:
