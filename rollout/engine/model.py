@@ -192,9 +192,22 @@ class DecoderModel:
             staged.append((dst, t))
         with torch.no_grad():
             for dst, t in staged:
-                dst.copy_(t.to(dst.dtype))
+                if dst.data_ptr() != t.data_ptr():   # received in place (``param_view``): nothing to copy
+                    dst.copy_(t.to(dst.dtype))
         self._packed = None
         return len(staged)
+
+    def param_view(self, name: str) -> torch.Tensor | None:
+        """The model's own storage for HF weight ``name`` (a contiguous view), or None.
+
+        Weight sync receives straight into it (no second copy of the model); ``load_weights`` then
+        sees the same tensor and only drops the prepacked matmul weights."""
+        entry = self._hf_map().get(name)
+        if entry is None or entry[0] not in self.params:
+            return None
+        key, lo, hi = entry
+        view = self.params[key][lo:hi]
+        return view if view.is_contiguous() else None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> "DecoderModel":

@@ -168,7 +168,10 @@ class WeightUpdates:
             await self.engine.run(lambda: sch.abort(None, "Abort by update_weights_from_distributed"))
         async with self._lock:
             try:
-                named = await asyncio.to_thread(self.receiver.receive, names, dtypes, shapes, load_format)
+                # per-tensor broadcasts land directly in the model's parameters (no decoding runs
+                # inside a session, and a failed update leaves the engine refusing to serve anyway)
+                named = await asyncio.to_thread(self.receiver.receive, names, dtypes, shapes, load_format,
+                                                sch.model.param_view)
                 await self.engine.run(lambda: sch.load_weights(named, version))
             except Exception as e:  # noqa: BLE001 - the update failed: refuse to serve a mix
                 self.session_error = f"{type(e).__name__}: {e}"
