@@ -95,21 +95,18 @@ class _Probe:
 
 
 def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
-    import httpx
     import ray
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    from deploy.supervisor import wait_http
+
+    def dead() -> str | None:
         code = ray.get(actor.poll.remote())
-        if code is not None:
-            raise RuntimeError(f"service behind {url} exited with code {code}:\n{ray.get(actor.tail.remote())}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s:\n{ray.get(actor.tail.remote())}")
+        return None if code is None else f"service behind {url} exited with code {code}:\n{ray.get(actor.tail.remote())}"
+
+    try:
+        wait_http(url, timeout_s, dead, interval_s=0.5)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}:\n{ray.get(actor.tail.remote())}") from None
 
 
 def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import Callable, IO, Sequence
 
 import httpx
 
@@ -73,6 +73,27 @@ def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str
     return env
 
 
+def wait_http(url: str, timeout_s: float, dead: Callable[[], str | None], *, ok: Sequence[int] = (200,),
+              interval_s: float = 0.2) -> None:
+    """Poll ``url`` until it answers a status in ``ok``.
+
+    ``dead()`` is checked before each try: a message from it means the service can never come up
+    (RuntimeError with that message); after ``timeout_s`` it is a TimeoutError.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        why = dead()
+        if why:
+            raise RuntimeError(why)
+        try:
+            if httpx.get(url, timeout=2.0).status_code in ok:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
+
+
 def headrace_argv(*args: str) -> list[str]:
     """``headrace ARGS`` run by this interpreter (works without the console script on PATH)."""
     return [sys.executable, "-m", "deploy.cli", *args]
@@ -118,18 +139,15 @@ class Supervisor:
         return child
 
     def wait_healthy(self, child: Child, url: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not child.alive():
-                raise ChildFailed(f"{child.name} exited with code {child.popen.returncode} before it was healthy "
-                                  f"(log {child.log_path}):\n{child.tail()}")
-            try:
-                if httpx.get(url, timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise ChildFailed(f"{child.name} not healthy at {url} after {timeout_s:.0f}s (log {child.log_path}):\n{child.tail()}")
+        def dead() -> str | None:
+            if child.alive():
+                return None
+            return f"exited with code {child.popen.returncode} before it was healthy"
+
+        try:
+            wait_http(url, timeout_s, dead)
+        except (RuntimeError, TimeoutError) as e:
+            raise ChildFailed(f"{child.name}: {e} (log {child.log_path}):\n{child.tail()}") from None
 
     def check(self) -> None:
         """Raise ChildFailed if a service child died (the trainer's exit is handled by the caller)."""

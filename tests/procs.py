@@ -11,15 +11,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Sequence
 
-import httpx
 
 from deploy.supervisor import child_env as service_env
 from deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
 from deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
+from deploy.supervisor import wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,17 +57,13 @@ class Proc:
 
     def wait_http(self, url: str, timeout: float = 60.0, ok=(200,)) -> None:
         """Poll ``url`` until it answers one of ``ok``; fail with the log if the process dies."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise RuntimeError(f"process exited ({self.popen.returncode}) before {url} was up:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(url, timeout=2.0).status_code in ok:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"{url} not up after {timeout}s:\n{self.log()[-4000:]}")
+        def dead() -> str | None:
+            return None if self.alive() else f"process exited ({self.popen.returncode}) before {url} was up"
+
+        try:
+            wait_http(url, timeout, dead, ok=ok, interval_s=0.1)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.log()[-4000:]}") from None
 
     def kill9(self) -> None:
         """SIGKILL this process (and the process group it leads) without any cleanup."""
