@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from tests.procs import Proc, child_env, free_port
 
 def start_receiver(tmp: Path, name: str, timeout_s: float = 60.0, *extra: str) -> tuple[Proc, str]:
     port = free_port()
-    proc = Proc(["python", "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", str(timeout_s), *extra],
+    proc = Proc([sys.executable, "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", str(timeout_s), *extra],
                 tmp / f"{name}.log", env=child_env(1))
     url = f"http://127.0.0.1:{port}"
     proc.wait_http(url + "/health", timeout=90)
