@@ -77,8 +77,8 @@ def reward(response: str, entry: dict[str, Any]) -> float:
 # ---- the run config ---------------------------------------------------------------------------
 
 
-def demo_config_dict(model: str = "models/tiny-qwen2", out: str = "runs/demo", *, steps: int = 400,
-                     seed: int = 0, eval_every: int = 20, eval_size: int = 128,
+def demo_config_dict(model: str = "models/tiny-qwen2", out: str = "runs/demo", *, steps: int = 500,
+                     seed: int = 0, eval_every: int = 25, eval_size: int = 256,
                      placement: str = "colocated") -> dict[str, Any]:
     """The demo's run YAML as a dict, in the keys of ``shared.config.HeadraceConfig``.
 
