@@ -302,9 +302,11 @@ def prepare_demo_model(cache_dir: str | Path = "models", *, seed: int = 0, log: 
     ``headrace run`` of the demo starts from the same weights.
     """
     import torch
+    from transformers.utils import logging as hf_logging
 
     from shared.modelzoo import init_model
 
+    hf_logging.disable_progress_bar()
     cache = Path(cache_dir)
     base = cache / "tiny-qwen2"
     if not (base / "config.json").is_file():
