@@ -76,8 +76,10 @@ def test_buffer_outage_loses_and_duplicates_nothing(tmp_path: Path, tiny_model, 
     n = 12
     s = stacks(tiny_model, {
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", n)), "epochs": 1},
-        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4, "push_retry_max_s": 0.5,
-        "sampling": {"max_new_tokens": 12, "ignore_eos": True}}).start()
+        # slow enough (2 sequences at a time, 64 tokens each) that groups are still finishing while the
+        # buffer is down, even on an idle machine
+        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 2, "push_retry_max_s": 0.5,
+        "sampling": {"max_new_tokens": 64, "ignore_eos": True}}).start()
     s.wait(lambda st: st["produced"] >= 2, what="first pushes")
     s.buffer.kill9()
     st = s.wait(lambda st: not st["push"]["buffer_up"] and st["push"]["pending"] > 0, timeout=120,
