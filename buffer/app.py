@@ -142,6 +142,15 @@ def create_app(cfg: BufferConfig) -> "_Edge":
     """The buffer's ASGI app (FastAPI routes wrapped by ``_Edge``); the store opens in its lifespan."""
     svc = BufferService(cfg)
 
+    async def read_model(model: Any, request: Request) -> Any:
+        """The request body as ``model``, or the 413/422 answer naming what is wrong."""
+        try:
+            return _decode_model(model, await svc.read_body(request), request.headers.get("content-type"))
+        except wire.WireError as e:
+            return _error(request, e.status, e.message)
+        except _BodyTooLarge:
+            return _error(request, 413, "request body too large")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await svc.start()
@@ -191,12 +200,9 @@ def create_app(cfg: BufferConfig) -> "_Edge":
     async def lease(request: Request) -> Response:
         store = svc.store
         assert store is not None
-        try:
-            req = _decode_model(LeaseRequest, await svc.read_body(request), request.headers.get("content-type"))
-        except wire.WireError as e:
-            return _error(request, e.status, e.message)
-        except _BodyTooLarge:
-            return _error(request, 413, "request body too large")
+        req = await read_model(LeaseRequest, request)
+        if isinstance(req, Response):
+            return req
         deadline = time.monotonic() + req.wait_s
         while True:
             generation = svc.generation
@@ -243,12 +249,9 @@ def create_app(cfg: BufferConfig) -> "_Edge":
     async def policy_version(request: Request) -> Response:
         store = svc.store
         assert store is not None
-        try:
-            req = _decode_model(PolicyVersionRequest, await svc.read_body(request), request.headers.get("content-type"))
-        except wire.WireError as e:
-            return _error(request, e.status, e.message)
-        except _BodyTooLarge:
-            return _error(request, 413, "request body too large")
+        req = await read_model(PolicyVersionRequest, request)
+        if isinstance(req, Response):
+            return req
         evicted = await svc.db(store.set_policy_version, req.version)
         return wire.respond({"policy_version": req.version, "evicted": evicted}, request.headers.get("accept"))
 
