@@ -11,7 +11,8 @@ Guarantees of ``ctx.generate(input_ids, sampling)``:
   {"finish_reason", "output_token_logprobs", "prompt_tokens", "completion_tokens", ...}}``;
 - it waits while the service is paused; a request aborted by ``/v1/pause {"mode":"abort"}`` keeps
   its partial tokens and logprobs and continues after resume with the remaining token budget, so the
-  caller sees one answer (a partial rollout);
+  caller sees one answer (a partial rollout); ``meta_info["segments"]`` counts the engine answers
+  that contributed tokens (an abort before the first token is a plain retry, not a resume);
 - a request whose engine fails (connection lost, 5xx, garbage answer) is retried on another engine;
   4xx answers and exhausted retries raise ``EngineError`` (the sample becomes ``failed``);
 - ``ctx.weight_version`` afterwards is the oldest weight version that produced any of its tokens.
@@ -95,6 +96,7 @@ class EngineClient:
         self.gate = gate
         self.timeout_s = timeout_s
         self.tokens_out = 0
+        self.partial_held = 0  # aborted requests holding partial tokens, waiting for resume
 
     async def _once(self, input_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
         """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError."""
@@ -134,7 +136,7 @@ class EngineClient:
         ids: list[int] = []
         lps: list[float] = []
         text = ""
-        segments = 0
+        segments = answers = 0
         attempts = bad = 0
         while True:
             params = dict(sampling, max_new_tokens=budget - len(ids))
@@ -150,21 +152,29 @@ class EngineClient:
                 await asyncio.sleep(min(2.0, 0.05 * attempts))
                 continue
             seg_ids = out["output_ids"]
-            if seg_ids:
+            if seg_ids:  # a segment counts only when it produced tokens (an abort can come before any)
                 ctx.note_version(version)
+                segments += 1
             ids += seg_ids
             lps += [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
             text = out.get("text") or ""
-            segments += 1
+            answers += 1
             reason = out["meta_info"]["finish_reason"]["type"]
             ours = self.gate.paused or self.gate.abort_epoch != epoch
             if reason == "abort" and ours and len(ids) < budget:
-                continue  # partial rollout: wait for resume, then continue with the remaining budget
+                if ids:  # partial rollout: held until resume, then continued with the remaining budget
+                    self.partial_held += 1
+                    try:
+                        await self.gate.wait_open()
+                    finally:
+                        self.partial_held -= 1
+                continue
             if reason == "abort" and ours:
                 reason = "length"
             break
         self.tokens_out += len(ids)
-        if segments > 1 and ctx.tokenizer is not None:
+        segments = max(segments, 1)
+        if answers > 1 and ctx.tokenizer is not None:
             text = ctx.tokenizer.decode(ids)
         meta = dict(out["meta_info"])
         meta.update(finish_reason=dict(meta["finish_reason"], type=reason),

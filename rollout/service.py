@@ -10,7 +10,8 @@ Guarantees:
 - ``/v1/pause`` returns only when no engine request is in flight. ``abort`` pauses the engines
   (``/pause_generation {"mode":"abort"}``, repeated ``/abort_request {"abort_all":true}`` until
   idle); the aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of
-  their budget. ``drain`` lets running requests finish and admits no new ones.
+  their budget; the answer's ``partial`` says how many requests hold partial tokens (also in
+  ``/v1/status``). ``drain`` lets running requests finish and admits no new ones.
 - ``/v1/resume {"weight_version": v}`` marks v as the engines' weights (engines restarted meanwhile
   rejoin routing), continues the engines and tags every later token with v.
 - ``/v1/generate_batch`` tags its samples with ``weight_version`` from the request, or else with the
@@ -150,7 +151,7 @@ class RolloutService:
         elif not await self.gate.wait_idle(req.timeout_s):
             raise HTTPException(504, f"{self.gate.in_flight} requests still in flight after {req.timeout_s} s")
         return {"paused": True, "mode": req.mode, "in_flight": self.gate.in_flight,
-                "seconds": round(time.monotonic() - t0, 3)}
+                "partial": self.engine.partial_held, "seconds": round(time.monotonic() - t0, 3)}
 
     async def resume(self, req: ResumeRequest) -> dict[str, Any]:
         v = self.gate.version if req.weight_version is None else req.weight_version
@@ -188,7 +189,8 @@ class RolloutService:
             "weight_version": self.gate.version, "paused": self.gate.paused, "mode": self.cfg.rollout.mode,
             "run_id": self.run_id, "engines": [e.status() for e in self.fleet.engines],
             "router": getattr(self.router, "url", "builtin"),
-            "in_flight": self.gate.in_flight, "groups_in_flight": loop.groups_in_flight,
+            "in_flight": self.gate.in_flight, "partial": self.engine.partial_held,
+            "groups_in_flight": loop.groups_in_flight,
             "produced": loop.counts["groups_pushed"], "counts": loop.counts,
             "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},
             "buffer_backlog": loop.backlog, "admission_cap": loop.admission_cap,
