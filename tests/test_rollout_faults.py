@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -19,6 +20,15 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _finished_on_disk(state_path: Path) -> int:
+    """Prompts the rollout's cursor file records as finished (it is replaced atomically)."""
+    try:
+        st = json.loads(state_path.read_text())
+    except FileNotFoundError:
+        return 0
+    return int(st["watermark"]) + len(st.get("done", []))
 
 
 def _positions(groups) -> list[int]:
@@ -57,14 +67,18 @@ def test_rollout_killed_and_restarted_resumes_the_data_cursor(tmp_path: Path, ti
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", n)), "epochs": 1, "seed": 11},
         "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4,
         "sampling": {"max_new_tokens": 16, "ignore_eos": True}}).start()
-    st = s.wait(lambda st: st["produced"] >= 4 and st["groups_in_flight"] > 0, what="4 groups pushed")
+    # the cursor file is rewritten every 0.2 s (deferred saves): wait until it records 4 finished
+    # prompts while others are still in flight, then kill
+    st = s.wait(lambda st: _finished_on_disk(s.tmp / "rollout_state.json") >= 4 and st["groups_in_flight"] > 0,
+                what="4 finished prompts in the cursor file, more in flight")
+    saved = _finished_on_disk(s.tmp / "rollout_state.json")
     engine_pids = [e["pid"] for e in st["engines"]]
     s.rollout.kill9()  # no cleanup: in-flight groups are lost with the process
     for pid in engine_pids:  # its engines were in their own sessions: end them by pid
         _kill(pid)
     s.start_rollout()
     st = s.status()
-    assert st["data"]["watermark"] >= 4 or st["data"]["done_ahead"] > 0
+    assert st["data"]["watermark"] + st["data"]["done_ahead"] >= saved  # resumed from the cursor, not from 0
     s.wait(lambda st: st["data"]["watermark"] == n, timeout=240, what="the epoch finished")
     groups = s.lease_all()
     assert _positions(groups) == list(range(n))  # every prompt exactly once: none skipped, none repeated
