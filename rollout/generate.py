@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
+from rollout.transport import EngineError, Retryable, Transport
 from shared.config import RolloutConfig
 from shared.schemas import Sample, SampleStatus
+
+__all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn"]
 
 if TYPE_CHECKING:
     from rollout.fleet import Fleet
@@ -38,10 +40,6 @@ GenerateFn = Callable[["RolloutContext", Sample, dict[str, Any]], Awaitable["Sam
 
 MAX_ATTEMPTS = 50  # connection failures (an engine died: reroute while the fleet restarts it)
 MAX_BAD_ANSWERS = 3  # 5xx or unusable bodies: the engine is up but broken
-
-
-class EngineError(RuntimeError):
-    """An engine call that cannot succeed (4xx, malformed answers, retries exhausted)."""
 
 
 class Gate:
@@ -90,11 +88,13 @@ class Gate:
 class EngineClient:
     """Routed /generate calls shared by all contexts; counts produced tokens."""
 
-    def __init__(self, fleet: "Fleet", router: "Router", gate: Gate, timeout_s: float) -> None:
+    def __init__(self, fleet: "Fleet", router: "Router", gate: Gate, timeout_s: float,
+                 coalesce_s: float = 0.0, coalesce_max: int = 1) -> None:
         self.fleet = fleet
         self.router = router
         self.gate = gate
         self.timeout_s = timeout_s
+        self.transport = Transport(fleet.http, timeout_s, coalesce_s, coalesce_max)
         self.tokens_out = 0
         self.partial_held = 0  # aborted requests holding partial tokens, waiting for resume
 
@@ -109,8 +109,7 @@ class EngineClient:
         engine.in_flight += 1
         self.gate.enter()
         try:
-            r = await self.fleet.http.post(f"{engine.url}/generate", timeout=self.timeout_s, json={
-                "input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+            out = await self.transport.post(engine.url, input_ids, params)
         except httpx.TransportError as e:
             if engine.index >= 0:
                 self.fleet.mark_down(engine, f"{type(e).__name__} during /generate")
@@ -118,18 +117,8 @@ class EngineClient:
         finally:
             engine.in_flight -= 1
             self.gate.leave()
-        if r.status_code >= 500:
-            raise _Retryable(f"{engine.url}/generate answered {r.status_code}: {r.text[:300]}")
-        if r.status_code >= 400:
-            raise EngineError(f"{engine.url}/generate answered {r.status_code}: {r.text[:500]}")
         engine.served += 1
-        try:
-            out = r.json()
-        except ValueError:
-            raise _Retryable(f"{engine.url}/generate answered non-JSON: {r.text[:200]!r}") from None
-        if isinstance(out, list) and len(out) == 1:
-            out = out[0]
-        return _check_answer(out, engine.url), version
+        return out, version
 
     async def generate(self, ctx: "RolloutContext", input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         budget = int(sampling.get("max_new_tokens", 128))
@@ -143,9 +132,9 @@ class EngineClient:
             epoch = self.gate.abort_epoch
             try:
                 out, version = await self._once(list(input_ids) + ids, params)
-            except (httpx.TransportError, httpx.TimeoutException, _Retryable) as e:
+            except (httpx.TransportError, httpx.TimeoutException, Retryable) as e:
                 attempts += 1
-                bad += isinstance(e, _Retryable)
+                bad += isinstance(e, Retryable)
                 if attempts >= MAX_ATTEMPTS or bad >= MAX_BAD_ANSWERS:
                     raise EngineError(f"/generate failed {attempts} times; last: {type(e).__name__}: {e}") from None
                 ctx.logger.info("rerouting a request after %s: %s", type(e).__name__, e)
@@ -181,36 +170,6 @@ class EngineClient:
                     output_token_logprobs=[[lp, t, None] for lp, t in zip(lps, ids)],
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
         return {"text": text, "output_ids": ids, "meta_info": meta}
-
-
-class _Retryable(RuntimeError):
-    pass
-
-
-def _check_answer(out: Any, url: str) -> dict[str, Any]:
-    """Validate the parts of a /generate answer we rely on; garbage is retried elsewhere."""
-    try:
-        ids = out["output_ids"]
-        meta = out["meta_info"]
-        fr = meta["finish_reason"]
-        lps = meta["output_token_logprobs"]
-        if isinstance(fr, str):
-            fr = {"type": fr}
-        if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
-            raise ValueError(f"finish_reason {fr!r}")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError("output_ids is not a list of token ids")
-        if not isinstance(lps, list) or len(lps) != len(ids):
-            raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
-        for x in lps:
-            if not (isinstance(x, (list, tuple)) and x and isinstance(x[0], (int, float))
-                    and math.isfinite(x[0]) and x[0] <= 1e-6):
-                raise ValueError(f"bad output_token_logprobs entry {x!r}")
-        meta["finish_reason"] = fr
-        meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
-        return out
-    except (KeyError, TypeError, ValueError) as e:
-        raise _Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
 
 
 class RolloutContext:

@@ -112,7 +112,8 @@ class RolloutService:
         except BaseException:
             await self.fleet.stop()
             raise
-        self.engine = EngineClient(self.fleet, self.router, self.gate, rc.engines.request_timeout_s)
+        self.engine = EngineClient(self.fleet, self.router, self.gate, rc.engines.request_timeout_s,
+                                   rc.engines.coalesce_ms / 1000.0, rc.engines.coalesce_max)
         self.http = httpx.AsyncClient(timeout=rc.reward_timeout_s)
         self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.buffer.token, retries=1, timeout=30.0)
         self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
@@ -130,6 +131,7 @@ class RolloutService:
     async def stop(self) -> None:
         if hasattr(self, "loop"):
             await self.loop.stop()
+            await self.engine.transport.close()
             await self.buffer.close()
             await self.http.aclose()
         if hasattr(self, "router"):
@@ -194,6 +196,8 @@ class RolloutService:
             "produced": loop.counts["groups_pushed"], "counts": loop.counts,
             "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},
             "buffer_backlog": loop.backlog, "admission_cap": loop.admission_cap,
+            "generate_requests": self.engine.transport.requests, "sequences_sent": self.engine.transport.sequences,
+            "refused_batches": self.engine.transport.refused_batches,
             "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),
             "uptime_s": round(up, 1), "data": self.data.state(),
         }

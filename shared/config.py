@@ -61,6 +61,9 @@ class EnginesConfig(_Section):
     base_port: int = Field(default=30000, ge=1024, le=65000, description="first port for launched engines")
     startup_timeout_s: float = Field(default=300.0, gt=0, description="how long an engine may take to become healthy")
     request_timeout_s: float = Field(default=600.0, gt=0, description="timeout of one /generate call")
+    coalesce_ms: float = Field(default=2.0, ge=0, le=1000,
+                               description="sequences for one engine within this window go as one batch /generate (0: off)")
+    coalesce_max: int = Field(default=32, ge=1, le=4096, description="most sequences in one batch /generate")
     threads: int | None = Field(default=None, ge=1, le=512, description="torch threads per reference engine (default 1)")
     health_interval_s: float = Field(default=1.0, gt=0, le=3600, description="seconds between engine health checks")
     health_failures: int = Field(default=3, ge=1, le=1000, description="failed checks before a live engine counts as down")

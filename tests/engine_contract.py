@@ -239,6 +239,19 @@ def test_abort_all(engine: Any) -> None:
     assert all(bg.wait()["meta_info"]["finish_reason"]["type"] == "abort" for bg in bgs)
 
 
+def test_abort_all_on_a_batch_returns_every_partial_output(engine: Any) -> None:
+    # the rollout's transport sends concurrent sequences as one batch request; a pause must give
+    # each of them back with its own partial tokens and logprobs
+    bg = Background(engine, input_ids=[prompt_ids(22), prompt_ids(23, 5)], return_logprob=True,
+                    sampling_params=[LONG, dict(LONG, max_new_tokens=1700)])
+    _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+    res = bg.wait()
+    assert isinstance(res, list) and [r["meta_info"]["prompt_tokens"] for r in res] == [8, 5]
+    for r in res:
+        assert r["meta_info"]["finish_reason"]["type"] == "abort"
+        assert len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) == r["meta_info"]["completion_tokens"]
+
+
 def test_pause_abort_then_continue(engine: Any) -> None:
     bg = Background(engine, input_ids=prompt_ids(18), sampling_params=LONG)
     try:

@@ -4,7 +4,8 @@
 (``rollout.engines.backend: sglang``, ``engines.python`` = that venv's python) and sglang-router
 (``rollout.router: sglang``, workers added with ``POST /workers``), and pushes groups into a real
 ``headrace buffer serve``. The groups must be valid (schema-checked by the buffer, n samples each,
-logprobs per response token, version 0). Then one SGLang engine's process group is killed with
+logprobs per response token, version 0); concurrent sequences travel as batch /generate requests
+through the router. Then one SGLang engine's process group is killed with
 SIGKILL mid-run: the fleet must mark it down and generation must go on on the other engine.
 """
 
@@ -76,6 +77,8 @@ def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_k
         assert len(st["engines"]) == 2 and all(e["healthy"] for e in st["engines"]), st["engines"]
         assert s.get("/v1/engines") == [{"url": e["url"], "world_size": 1} for e in st["engines"]]
         check_groups(s.lease_all(), vocab)
+        # concurrent sequences went through the router as batch /generate requests, which it accepts
+        assert st["generate_requests"] < st["sequences_sent"] and st["refused_batches"] == 0, st
 
         victim = st["engines"][0]
         os.killpg(victim["pid"], signal.SIGKILL)   # the engine's process group: launcher, scheduler, detokenizer

@@ -1,0 +1,226 @@
+"""``/generate`` over HTTP for one sequence, with coalescing into SGLang batch requests.
+
+Short generations are dominated by the cost of an HTTP request on both ends, not by the model:
+on the 2-core machine 256 eight-token sequences took ~2.8 s as 256 requests and ~0.26 s as 32
+requests of 8 (same engine, same concurrency). So sequences headed for the same engine with the same
+sampling params within ``window_s`` of each other travel as one batch request (``input_ids`` a list
+of prompts, one ``sampling_params`` object: the form SGLang's ``/generate``, sglang-router and the
+reference engine all accept; sglang-router 0.3.2 refuses a list of sampling params), at most
+``max_batch`` per request.
+
+Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
+- the caller gets what a single-sequence ``/generate`` would give it: that sequence's answer, checked
+  (``check_answer``), or the exception a single request would raise: ``httpx.TransportError`` /
+  ``httpx.TimeoutException`` (connection or timeout; a batch shares its fate), ``Retryable`` (5xx,
+  unusable body) or ``EngineError`` (4xx);
+- a batch answered 4xx is sent again one sequence per request, so one bad sequence (a token
+  outside the vocabulary, say) fails only its own caller; when every sequence then succeeds alone,
+  the server does not take batches and that URL gets one sequence per request from then on (logged
+  once);
+- ``n`` != 1 in the sampling params is an ``EngineError`` (one call, one sequence) and sends nothing;
+  ``window_s <= 0`` turns coalescing off;
+- a cancelled caller leaves the others' answers untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("headrace.rollout.transport")
+
+
+class EngineError(RuntimeError):
+    """An engine call that cannot succeed (4xx, malformed answers, retries exhausted)."""
+
+
+class Retryable(RuntimeError):
+    """An engine answer worth retrying on another engine (5xx, unusable body)."""
+
+
+def check_answer(out: Any, url: str) -> dict[str, Any]:
+    """Validate the parts of a /generate answer we rely on; ``Retryable`` for garbage."""
+    try:
+        ids = out["output_ids"]
+        meta = out["meta_info"]
+        fr = meta["finish_reason"]
+        lps = meta["output_token_logprobs"]
+        if isinstance(fr, str):
+            fr = {"type": fr}
+        if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
+            raise ValueError(f"finish_reason {fr!r}")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError("output_ids is not a list of token ids")
+        if not isinstance(lps, list) or len(lps) != len(ids):
+            raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
+        for x in lps:
+            if not (isinstance(x, (list, tuple)) and x and isinstance(x[0], (int, float))
+                    and math.isfinite(x[0]) and x[0] <= 1e-6):
+                raise ValueError(f"bad output_token_logprobs entry {x!r}")
+        meta["finish_reason"] = fr
+        meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class _Waiting:
+    input_ids: list[int]
+    params: dict[str, Any]
+    future: asyncio.Future
+
+
+@dataclass
+class _Queue:
+    items: list[_Waiting] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+
+class Transport:
+    """Posts /generate for one sequence at a time, coalescing concurrent ones per engine URL."""
+
+    def __init__(self, http: httpx.AsyncClient, timeout_s: float, window_s: float = 0.002,
+                 max_batch: int = 32) -> None:
+        self.http = http
+        self.timeout_s = timeout_s
+        self.window_s = window_s
+        self.max_batch = max(1, max_batch)
+        self._queues: dict[tuple[str, str], _Queue] = {}   # by (engine URL, sampling params)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.requests = 0   # HTTP /generate requests sent
+        self.sequences = 0  # sequences they carried
+        self.refused_batches = 0  # batches answered 4xx and resent one sequence per request
+        self.no_batch: set[str] = set()  # URLs that refused a batch whose sequences were all fine alone
+
+    async def post(self, url: str, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """The checked answer for one sequence (see the module docstring for the errors)."""
+        if params.get("n", 1) != 1:
+            raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
+                              f"got {params.get('n')!r} (make one call per sample)")
+        if self.window_s <= 0 or self.max_batch == 1 or url in self.no_batch:
+            return await self._single(url, input_ids, params)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        key = (url, json.dumps(params, sort_keys=True, default=str))   # one batch, one sampling_params
+        q = self._queues.setdefault(key, _Queue())
+        q.items.append(_Waiting(input_ids, params, fut))
+        if len(q.items) >= self.max_batch:
+            self._flush(key)
+        elif q.timer is None:
+            q.timer = loop.call_later(self.window_s, self._flush, key)
+        return await fut
+
+    async def _single(self, url: str, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        self.requests += 1
+        self.sequences += 1
+        r = await self.http.post(f"{url}/generate", timeout=self.timeout_s, json={
+            "input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+        _raise_for_status(r, url)
+        out = _json(r, url)
+        if isinstance(out, list) and len(out) == 1:
+            out = out[0]
+        return check_answer(out, url)
+
+    def _flush(self, key: tuple[str, str]) -> None:
+        q = self._queues.pop(key, None)
+        if q is None:
+            return
+        url = key[0]
+        if q.timer is not None:
+            q.timer.cancel()
+        items = [w for w in q.items if not w.future.done()]  # callers cancelled while waiting
+        if not items:
+            return
+        task = asyncio.get_running_loop().create_task(self._send(url, items))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, url: str, items: list[_Waiting]) -> None:
+        if len(items) == 1:
+            await self._deliver_single(url, items[0])
+            return
+        try:
+            self.requests += 1
+            self.sequences += len(items)
+            r = await self.http.post(f"{url}/generate", timeout=self.timeout_s, json={
+                "input_ids": [w.input_ids for w in items], "sampling_params": items[0].params,
+                "return_logprob": True})
+            if 400 <= r.status_code < 500:
+                # which sequence is bad is not known: ask one by one, so only that caller fails
+                self.refused_batches += 1
+                await asyncio.gather(*(self._deliver_single(url, w) for w in items))
+                if not any(isinstance(w.future.exception(), EngineError) for w in items
+                           if w.future.done() and not w.future.cancelled()):
+                    # every sequence was fine alone: this server does not take batch requests
+                    if url not in self.no_batch:
+                        log.warning("%s refused a batch /generate (%d: %s); sending one sequence per request "
+                                "there from now on", url, r.status_code, r.text[:300])
+                    self.no_batch.add(url)
+                return
+            _raise_for_status(r, url)
+            outs = _json(r, url)
+            if not isinstance(outs, list) or len(outs) != len(items):
+                got = f"{len(outs)} results" if isinstance(outs, list) else f"a {type(outs).__name__}"
+                raise Retryable(f"{url}/generate answered an unusable body for a batch of {len(items)} "
+                                f"sequences ({got}, not a list of {len(items)})")
+        except BaseException as e:  # noqa: BLE001 - every caller gets the batch's fate
+            for w in items:
+                _settle(w.future, error=e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        for w, out in zip(items, outs):
+            try:
+                _settle(w.future, result=check_answer(out, url))
+            except Retryable as e:
+                _settle(w.future, error=e)
+
+    async def _deliver_single(self, url: str, w: _Waiting) -> None:
+        try:
+            _settle(w.future, result=await self._single(url, w.input_ids, w.params))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            _settle(w.future, error=e)
+            if not isinstance(e, Exception):
+                raise
+
+    async def close(self) -> None:
+        for key in list(self._queues):
+            q = self._queues.pop(key)
+            if q.timer is not None:
+                q.timer.cancel()
+            for w in q.items:
+                w.future.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+
+
+def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:
+    if fut.done():
+        return
+    if isinstance(error, asyncio.CancelledError):
+        fut.cancel()
+    elif error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)
+
+
+def _raise_for_status(r: httpx.Response, url: str) -> None:
+    if r.status_code >= 500:
+        raise Retryable(f"{url}/generate answered {r.status_code}: {r.text[:300]}")
+    if r.status_code >= 400:
+        raise EngineError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")
+
+
+def _json(r: httpx.Response, url: str) -> Any:
+    try:
+        return r.json()
+    except ValueError:
+        raise Retryable(f"{url}/generate answered non-JSON: {r.text[:200]!r}") from None
