@@ -43,6 +43,7 @@ class EngineSync:
 
             self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s))
         self.released = False
+        self.timings: dict[str, float] = {}   # this step's phase times (rank 0), logged with its metrics
 
     # -- evaluation --
 
@@ -77,24 +78,32 @@ class EngineSync:
     # -- hook --
 
     def before_lease(self, st: Any) -> None:
+        self.timings = {}
         if self.on_demand and self.rank0:
+            t0 = time.perf_counter()
             self.rollout.generate_batch(self.cfg.rollout.groups_per_step)
+            t1 = time.perf_counter()
             self.rollout.release_memory()
             self.released = True
+            self.timings = {"generate_s": t1 - t0, "release_memory_s": time.perf_counter() - t1}
 
     def after_update(self, st: Any, version: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
         if self.rank0:
             if self.on_demand:
                 self.rollout.resume_memory()
                 self.released = False
             else:
                 self.rollout.pause("abort")
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         self._sync(st, version)
-        sync_s = time.perf_counter() - t0
-        metrics: dict[str, Any] = {"weight_sync_s": sync_s} if self.rank0 else {}
+        sync_s = time.perf_counter() - t1
+        metrics: dict[str, Any] = {}
         if self.rank0:
             self.rollout.resume(version)
+            metrics = {**self.timings, "weight_sync_s": sync_s,
+                       ("resume_memory_s" if self.on_demand else "pause_s"): t1 - t0,
+                       "resume_s": time.perf_counter() - t1 - sync_s}
             every = self.cfg.run.eval_every
             if every and (st.step % every == 0 or st.step == self.cfg.trainer.steps):
                 metrics.update(self.evaluate(st.step))
