@@ -100,6 +100,7 @@ def demo_config_dict(model: str = "models/tiny-qwen2", out: str = "runs/demo", *
                      "prompt_template": PROMPT_TEMPLATE, "eval_size": eval_size, "shuffle": True},
             "n_samples_per_prompt": 8,
             "groups_per_step": 32,
+            "max_concurrency": 256,         # the whole step's 32 x 8 sequences in flight at once
             "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
             "eval_sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": MAX_NEW_TOKENS},
             "reward": REWARD,

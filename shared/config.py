@@ -164,6 +164,8 @@ class TrainerConfig(_Section):
     tis_cap: float | None = Field(default=None, gt=0, description="truncated importance sampling cap")
     ppo_epochs: int = Field(default=1, ge=1, le=100, description="optimizer passes over each batch")
     mini_batches: int = Field(default=1, ge=1, description="optimizer steps per batch")
+    separate_old_logprobs: bool = Field(default=False, description="always recompute old logprobs in their own "
+                                        "forward pass (else a single update, 1 epoch x 1 mini-batch, reuses its own)")
     micro_batch_tokens: int = Field(default=8192, ge=16, description="token budget of one packed micro-batch")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(default="auto", description="auto: bf16 on GPU, fp32 on CPU")
     seed: int = Field(default=1234, ge=0)

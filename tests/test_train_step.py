@@ -102,6 +102,40 @@ def test_tp2_dp2_equals_tp1_dp1(model_dir, name):
     assert moved > 1e-4
 
 
+def _fused_vs_separate(model_dir: str) -> list[dict]:
+    from trainer.batch import build_batch
+    from trainer.model import load_model
+    from trainer.optim import build_optimizer, build_scheduler
+    from trainer.parallel import destroy_distributed, init_distributed
+    from trainer.step import TrainerState, train_step
+
+    info = init_distributed(1, 1)
+    out = []
+    try:
+        for separate in (False, True):
+            tcfg = TrainerConfig(lr=1e-3, micro_batch_tokens=24, separate_old_logprobs=separate)
+            model = load_model(model_dir, info)
+            opt = build_optimizer(model, tcfg)
+            st = TrainerState(model, opt, build_scheduler(opt, tcfg), tcfg, info, temperature=0.9)
+            batch = build_batch(make_groups(seed=2), vocab_size=model.arch.vocab_size)
+            metrics = [train_step(st, batch) for _ in range(2)]
+            out.append({"metrics": metrics, "params": {k: v.clone() for k, v in model.hf_state_dict()}})
+        return out
+    finally:
+        destroy_distributed()
+
+
+def test_a_single_update_reusing_its_forward_as_old_logprobs_equals_a_separate_pass(model_dir):
+    fused, separate = spawn(_fused_vs_separate, 1, str(model_dir), timeout_s=300)[0]
+    for mf, ms in zip(fused["metrics"], separate["metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm", "logprob_mean",
+                    "logprob_pos_adv", "rollout_logprob_abs_diff", "trained_tokens", "tokens"):
+            assert mf[key] == pytest.approx(ms[key], rel=1e-6, abs=1e-7), key
+        assert mf["clip_fraction"] == 0.0 and abs(mf["approx_kl"]) < 1e-6   # on-policy: ratio 1
+    for k, v in separate["params"].items():
+        torch.testing.assert_close(fused["params"][k], v, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
 def _local_checks(model_dir: str) -> dict:
     from trainer.batch import build_batch
     from trainer.model import load_model

@@ -2,7 +2,8 @@
 
 ``train_step(state, batch)`` runs, in order: pack this DP rank's share of the batch into token-budget
 micro-batches -> recompute old logprobs (and reference logprobs when KL is on) with the current
-weights -> advantages per group (KL optionally folded into the reward first) -> for each PPO epoch
+weights (with one epoch and one mini-batch the update's own forward, detached, gives the old
+logprobs: the weights cannot have changed in between) -> advantages per group (KL optionally folded into the reward first) -> for each PPO epoch
 and mini-batch: forward, loss, backward per micro-batch (gradient accumulation), sum gradients over
 DP, clip the global grad norm, optimizer step -> advance the LR schedule. It returns the step's
 metrics, identical on every rank.
@@ -86,6 +87,26 @@ def _chunks(batch: TrainBatch, n: int) -> list[list[int]]:
     return [list(range(starts[bounds[k]], starts[bounds[k + 1]])) for k in range(n)]
 
 
+def _policy_stats(mbs: list[MicroBatch], info: Any) -> dict[str, float]:
+    """Train-vs-rollout mismatch and policy statistics on the old logprobs, summed over DP."""
+    s = dict.fromkeys(["tok", "lp_sum", "pos_tok", "pos_lp", "r_tok", "r_abs", "r_diff", "tokens"], 0.0)
+    for mb in mbs:
+        m, old = mb.loss_mask, mb.extras["old"]
+        s["tok"] += float(m.sum())
+        s["lp_sum"] += float((old * m).sum())
+        pos = m * (mb.extras["adv"] > 0)
+        s["pos_tok"] += float(pos.sum())
+        s["pos_lp"] += float((old * pos).sum())
+        rm = m * mb.has_rollout
+        d = (old - mb.rollout_logprobs) * rm
+        s["r_tok"] += float(rm.sum())
+        s["r_abs"] += float(d.abs().sum())
+        s["r_diff"] += float(d.sum())
+        s["tokens"] += mb.num_tokens
+    keys = list(s)
+    return dict(zip(keys, _dp_sum([s[k] for k in keys], info)))
+
+
 def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     """Train on ``batch`` (see the module docstring); returns metrics (same on every rank)."""
     t0 = time.perf_counter()
@@ -106,11 +127,17 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
         plan.append((mbs, float(sum(batch.samples[i].trained_tokens for i in trainable)), float(len(trainable))))
     all_mbs = [mb for mbs, _, _ in plan for mb in mbs]
 
-    # ---- old (and reference) logprobs with the weights before this step
+    # ---- old (and reference) logprobs with the weights before this step. With a single update
+    # (one epoch, one mini-batch) nothing changes the weights before the update's own forward, so
+    # its detached logprobs are the old ones: one forward pass fewer (unless KL goes into rewards,
+    # which needs them before the advantages).
+    fused_old = (cfg.ppo_epochs == 1 and len(plan) == 1 and not (use_ref and cfg.kl_in_reward)
+                 and not cfg.separate_old_logprobs)
     model.eval()
     with torch.no_grad():
         for mb in all_mbs:
-            mb.extras["old"] = _logprobs(model, mb, st.temperature, False)[0].float()
+            if not fused_old:
+                mb.extras["old"] = _logprobs(model, mb, st.temperature, False)[0].float()
             if use_ref:
                 mb.extras["ref"] = _logprobs(st.ref_model, mb, st.temperature, False)[0].float()
     model.train()
@@ -132,23 +159,8 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     for mb in all_mbs:
         mb.extras["adv"] = adv[mb.sample_ids].to(device)[mb.seq_index]
 
-    # ---- train-vs-rollout mismatch and policy statistics, on the old logprobs
-    s = dict.fromkeys(["tok", "lp_sum", "pos_tok", "pos_lp", "r_tok", "r_abs", "r_diff", "tokens"], 0.0)
-    for mb in all_mbs:
-        m, old = mb.loss_mask, mb.extras["old"]
-        s["tok"] += float(m.sum())
-        s["lp_sum"] += float((old * m).sum())
-        pos = m * (mb.extras["adv"] > 0)
-        s["pos_tok"] += float(pos.sum())
-        s["pos_lp"] += float((old * pos).sum())
-        rm = m * mb.has_rollout
-        d = (old - mb.rollout_logprobs) * rm
-        s["r_tok"] += float(rm.sum())
-        s["r_abs"] += float(d.abs().sum())
-        s["r_diff"] += float(d.sum())
-        s["tokens"] += mb.num_tokens
-    keys = list(s)
-    s = dict(zip(keys, _dp_sum([s[k] for k in keys], info)))
+    if not fused_old:
+        s = _policy_stats(all_mbs, info)
 
     # ---- optimisation
     acc = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "tis_weight"], 0.0)
@@ -160,6 +172,8 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
             part = dict.fromkeys(acc, 0.0)
             for mb in mbs:
                 lp, ent = _logprobs(model, mb, st.temperature, True)
+                if fused_old:
+                    mb.extras["old"] = lp.detach().float()
                 m, old, a = mb.loss_mask, mb.extras["old"], mb.extras["adv"]
                 w = aggregation_weights(m, mb.seq_index, aggregation, num_tokens=n_tok, num_seqs=n_seq)
                 wt = m / max(n_tok, 1.0)  # token-mean weights for metrics
@@ -199,6 +213,8 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
             vals = _dp_sum([part[k] for k in acc], info)
             for k, v in zip(acc, vals):
                 acc[k] += v
+    if fused_old:
+        s = _policy_stats(all_mbs, info)
     st.optimizer.zero_grad(set_to_none=True)
     lr = st.optimizer.param_groups[0]["lr"]
     st.scheduler.step()
