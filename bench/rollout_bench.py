@@ -5,15 +5,17 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
 ``--new-tokens`` tokens, EOS ignored so every sequence has the same length):
 
 - direct: this process tokenizes the prompts and sends every /generate straight to the engines
-  (round-robin, all concurrently, return_logprob on), nothing else;
+  (round-robin, all concurrently, return_logprob on), nothing else: one request per sequence, and
+  ``direct_batched``: batch requests of ``--direct-batch`` sequences (what the service's
+  transport sends when it coalesces);
 - service: ``headrace rollout serve`` attached to the same engines (backend external, on_demand)
   answers ``POST /v1/generate_batch`` — routing, logprobs, reward (exact_match), group validation
   and the push to the buffer included.
 
     python bench/rollout_bench.py [--preset tiny-qwen2] [--engines 1] [--groups 32] [--n 8] [--new-tokens 16]
 
-Prints groups/s of each (medians over ``--rounds``), the ratio service / direct and the overhead
-(target: overhead <= 10%). The service shares the CPU with the engines here; on 2 cores that
+Prints groups/s of each (medians over ``--rounds``), the ratio service / the faster direct way and
+the overhead (target: overhead <= 10%), and the service against single requests. The service shares the CPU with the engines here; on 2 cores that
 contention is part of what is measured.
 """
 
@@ -36,19 +38,24 @@ import yaml  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 
-async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampling: dict) -> float:
+async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampling: dict, batch: int = 1) -> float:
+    """Every sequence straight to the engines, all at once: one request each (``batch`` 1) or in
+    batch requests of ``batch`` sequences (what the service's transport does with coalescing)."""
     # the same client settings as the service's fleet (rollout/fleet.py), so only the service differs
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=16, keepalive_expiry=2.0)
+    seqs = [p for p in prompts for _ in range(n)]
+    chunks = [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
     async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        async def one(i: int, p: list[int]) -> None:
-            r = await client.post(f"{urls[i % len(urls)]}/generate",
-                                  json={"input_ids": p, "sampling_params": sampling, "return_logprob": True})
+        async def one(i: int, chunk: list[list[int]]) -> None:
+            r = await client.post(f"{urls[i % len(urls)]}/generate", json={
+                "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True})
             r.raise_for_status()
-            out = r.json()
-            assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
+            outs = r.json()
+            for out in outs if batch > 1 else [outs]:
+                assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(one(i * n + j, p) for i, p in enumerate(prompts) for j in range(n)))
+        await asyncio.gather(*(one(i, c) for i, c in enumerate(chunks)))
         return time.perf_counter() - t0
 
 
@@ -78,6 +85,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    ap.add_argument("--direct-batch", type=int, default=32,
+                    help="sequences per request of the batched direct baseline (the service's engines.coalesce_max)")
     args = ap.parse_args()
 
     from shared.modelzoo import init_model, load_tokenizer
@@ -85,7 +94,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     model = init_model(args.preset, tmp / "model")
     tok = load_tokenizer(model)
-    total_prompts = args.groups * (2 * args.rounds + 2)
+    total_prompts = args.groups * (2 * args.rounds + 3)
     data = tmp / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i % 97} + {i % 13} =", "label": str(i % 97 + i % 13)}) + "\n"
                             for i in range(total_prompts)))
@@ -122,34 +131,40 @@ def main() -> None:
         url = f"http://127.0.0.1:{rport}"
         svc.wait_http(f"{url}/health", timeout=120)
 
-        # warm-up both paths (engine caches, connection pools, first-call imports)
+        # warm-up every path (engine caches, connection pools, first-call imports)
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling))
+        asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling, args.direct_batch))
         service_round(url, args.groups)
-        direct_s, service_s = [], []
+        times: dict[str, list[float]] = {"direct": [], "direct_batched": [], "service": []}
+        cpu = dict.fromkeys(times, 0.0)
         offset = args.groups
-        svc_cpu = direct_cpu = 0.0
-        for r in range(args.rounds):  # alternate the order so drifting background load hits both
-            for which in (("direct", "service") if r % 2 == 0 else ("service", "direct")):
-                if which == "direct":
-                    c0 = time.process_time()
-                    direct_s.append(asyncio.run(direct_round(urls, prompts[offset: offset + args.groups],
-                                                             args.n, sampling)))
-                    direct_cpu += time.process_time() - c0
-                    offset += args.groups
-                else:
+        order = list(times)
+        for r in range(args.rounds):  # rotate the order so drifting background load hits all alike
+            for which in order[r % 3:] + order[:r % 3]:
+                if which == "service":
                     c0 = _cpu_s(svc.pid)
-                    service_s.append(service_round(url, args.groups))
-                    svc_cpu += _cpu_s(svc.pid) - c0
-            print(f"round {r}: direct {args.groups / direct_s[-1]:.2f} groups/s, "
-                  f"service {args.groups / service_s[-1]:.2f} groups/s", flush=True)
-        d = args.groups / statistics.median(direct_s)
-        s = args.groups / statistics.median(service_s)
+                    times[which].append(service_round(url, args.groups))
+                    cpu[which] += _cpu_s(svc.pid) - c0
+                else:
+                    c0 = time.process_time()
+                    batch = args.direct_batch if which == "direct_batched" else 1
+                    times[which].append(asyncio.run(direct_round(urls, prompts[offset: offset + args.groups],
+                                                                 args.n, sampling, batch)))
+                    cpu[which] += time.process_time() - c0
+                    offset += args.groups
+            print(f"round {r}: " + ", ".join(f"{k} {args.groups / v[-1]:.2f}" for k, v in times.items())
+                  + " groups/s", flush=True)
+        rate = {k: args.groups / statistics.median(v) for k, v in times.items()}
+        d = max(rate["direct"], rate["direct_batched"])    # the better way of calling the engines directly
+        s = rate["service"]
         result = {"bench": "rollout", "preset": args.preset, "engines": args.engines, "groups": args.groups,
-                  "n": args.n, "new_tokens": args.new_tokens, "direct_groups_per_s": round(d, 3),
+                  "n": args.n, "new_tokens": args.new_tokens,
+                  "direct_groups_per_s": round(rate["direct"], 3),
+                  "direct_batched_groups_per_s": round(rate["direct_batched"], 3),
                   "service_groups_per_s": round(s, 3), "ratio": round(s / d, 3),
                   "overhead": round(1 - s / d, 3), "target_overhead": 0.10, "meets_target": 1 - s / d <= 0.10,
-                  "client_cpu_s_per_group": {"direct": round(direct_cpu / (args.groups * args.rounds), 4),
-                                             "service": round(svc_cpu / (args.groups * args.rounds), 4)}}
+                  "ratio_vs_single_requests": round(s / rate["direct"], 3),
+                  "client_cpu_s_per_group": {k: round(v / (args.groups * args.rounds), 4) for k, v in cpu.items()}}
         print(json.dumps(result))
     finally:
         for p in reversed(procs):
