@@ -93,6 +93,7 @@ class DecoderModel:
         self.cos, self.sin = rope_cos_sin(self.inv_freq, positions, dtype)
         self.params: dict[str, torch.Tensor] = {}
         self._packed: dict[str, torch.Tensor] | None = None
+        self._map: dict[str, tuple[str, int, int]] | None = None
         self.use_onednn = use_onednn and dtype == torch.float32 and torch.backends.mkldnn.is_available()
         self._allocate()
 
@@ -123,7 +124,13 @@ class DecoderModel:
         p["lm_head"] = p["embed"] if a.tie_word_embeddings else torch.zeros(a.vocab_size, a.hidden_size, dtype=d)
 
     def _hf_map(self) -> dict[str, tuple[str, int, int]]:
-        """HF name -> (internal key, row start, row end) of the slice the tensor fills."""
+        """HF name -> (internal key, row start, row end) of the slice the tensor fills (built once:
+        weight sync asks for every tensor's view on every update)."""
+        if self._map is None:
+            self._map = self._build_hf_map()
+        return self._map
+
+    def _build_hf_map(self) -> dict[str, tuple[str, int, int]]:
         a = self.arch
         q, kv, inter = self.q_size, self.kv_size, a.intermediate_size
         m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed", 0, a.vocab_size),

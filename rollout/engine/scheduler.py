@@ -145,11 +145,13 @@ class Scheduler:
         self.paused = None
 
     def flush_cache(self) -> bool:
-        """Free the KV cache memory; refused (False) while sequences hold cache rows."""
+        """Free the KV cache memory; refused (False) while sequences hold cache rows. The next
+        admission allocates what it needs (zeroing a fresh default cache here cost SmolLM2-sized
+        weight updates a quarter of the engine's time)."""
         if self.running:
             return False
         if self.cache is not None:
-            self.cache = KVCache(self.model.arch, self.model.dtype)
+            self.cache = KVCache(self.model.arch, self.model.dtype, rows=0, capacity=0)
         return True
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> int:
@@ -175,7 +177,7 @@ class Scheduler:
             unstash(self.model)
             self.released.discard("weights")
         if "kv_cache" in tags and "kv_cache" in self.released:
-            self.cache = KVCache(self.model.arch, self.model.dtype)
+            self.cache = KVCache(self.model.arch, self.model.dtype, rows=0, capacity=0)  # grows on admission
             self.released.discard("kv_cache")
 
     def state(self) -> dict[str, Any]:
