@@ -20,7 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import logging
 import time

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
-
+from typing import Iterator, Sequence
 
 from deploy.supervisor import child_env as service_env
 from deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
@@ -87,3 +86,17 @@ class Proc:
                 self.kill9()
         self._log.close()
         return self.popen.returncode
+
+
+@contextmanager
+def reference_engine(model_dir: Path, log: Path, *args: str) -> Iterator[tuple[str, Proc]]:
+    """``headrace engine serve`` (1 torch thread) on a free port, healthy: yields (url, process)."""
+    port = free_port()
+    proc = Proc(headrace_cmd("engine", "serve", "--model", str(model_dir), "--port", str(port), "--threads", "1",
+                             *args), log, env=child_env(threads=1))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(f"{url}/health", timeout=120)
+        yield url, proc
+    finally:
+        proc.stop()

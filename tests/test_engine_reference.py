@@ -17,7 +17,7 @@ import pytest
 
 from tests.engine_contract import *  # noqa: F401,F403 - the contract runs here against the reference engine
 from tests.engine_contract import Background, generate, post, prompt_ids
-from tests.procs import Proc, child_env, free_port, headrace_cmd
+from tests.procs import Proc, child_env, headrace_cmd, reference_engine
 
 
 @dataclass
@@ -36,16 +36,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHandle]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("logs") / "engine.log"
-    proc = Proc(headrace_cmd("engine", "serve", "--model", str(model_dir), "--port", str(port), "--threads", "1"),
-                log, env=child_env(threads=1))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_http(f"{url}/health", timeout=120)
+    with reference_engine(model_dir, tmp_path_factory.mktemp("logs") / "engine.log") as (url, proc):
         yield EngineHandle(url, str(model_dir), proc)
-    finally:
-        proc.stop()
 
 
 def server_state(engine: EngineHandle) -> dict:

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.engine_contract import generate, hf_logprobs, post, prompt_ids
-from tests.procs import Proc, child_env, free_port, headrace_cmd
+from tests.procs import reference_engine
 
 
 @pytest.fixture(scope="module")
@@ -26,16 +26,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def engine_url(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    proc = Proc(headrace_cmd("engine", "serve", "--model", str(models[0]), "--port", str(port), "--threads", "1",
-                             "--weight-sync-timeout", "60"),
-                tmp_path_factory.mktemp("logs") / "engine.log", env=child_env(threads=1))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_http(f"{url}/health", timeout=120)
+    with reference_engine(models[0], tmp_path_factory.mktemp("logs") / "engine.log",
+                          "--weight-sync-timeout", "60") as (url, _):
         yield url
-    finally:
-        proc.stop()
 
 
 class _E:

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from rollout.transport import EngineError, Retryable, Transport
-from tests.procs import Proc, child_env, free_port, headrace_cmd
+from tests.procs import Proc, child_env, free_port, reference_engine
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +27,8 @@ def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from shared.modelzoo import init_model
 
     model = init_model("tiny-qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen2")
-    port = free_port()
-    proc = Proc(headrace_cmd("engine", "serve", "--model", str(model), "--port", str(port), "--threads", "1"),
-                tmp_path_factory.mktemp("logs") / "engine.log", env=child_env(threads=1))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_http(f"{url}/health", timeout=120)
+    with reference_engine(model, tmp_path_factory.mktemp("logs") / "engine.log") as (url, _):
         yield url
-    finally:
-        proc.stop()
 
 
 def _run(coro_fn: Any, *args: Any) -> Any:
