@@ -58,7 +58,8 @@ def test_demo_config_is_a_valid_run_config() -> None:
     cfg = HeadraceConfig.model_validate(d)
     assert cfg.model == "models/x" and cfg.run.out == "runs/y" and cfg.trainer.steps == 42
     assert cfg.rollout.data.task == "chain_sum" and cfg.rollout.data.prompt_template == demo.PROMPT_TEMPLATE
-    assert (cfg.rollout.n_samples_per_prompt, cfg.rollout.groups_per_step) == (8, 32)
+    assert (cfg.rollout.n_samples_per_prompt, cfg.rollout.groups_per_step) == (8, 64)
+    assert cfg.rollout.max_concurrency == 8 * 64              # a step's sequences all in flight at once
     assert cfg.rollout.sampling.temperature == 1.0 and cfg.trainer.lr == 1e-4 and cfg.trainer.grad_clip == 1.0
     assert cfg.rollout.reward == demo.REWARD
     colocated = HeadraceConfig.model_validate(demo.demo_config_dict(placement="colocated"))
