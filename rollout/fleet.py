@@ -18,6 +18,9 @@ Guarantees:
   the trainer has synced weights to every engine listed by /v1/engines — so no token is ever
   tagged with a version its engine does not hold.
 - ``stop`` ends only the processes this fleet started, by process group id.
+- Launched engines bind ``engines.host`` (127.0.0.1) and are listed (``/v1/engines``, the URLs the
+  trainer dials for weight sync) as ``http://<engines.advertise_host or host>:<port>``; bound to
+  0.0.0.0 / :: without an advertise host, they are listed under this machine's host name.
 """
 
 from __future__ import annotations
@@ -65,13 +68,20 @@ class Engine:
                 "pid": self.proc.pid if self.proc else None}
 
 
-def port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
             return True
         except OSError:
             return False
+
+
+def advertised_host(bind: str, advertise: str | None) -> str:
+    """The host name others use to reach a server bound to ``bind`` (URL form: IPv6 in brackets)."""
+    host = advertise or (socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind)
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def free_port() -> int:
@@ -122,12 +132,12 @@ class Fleet:
         b = self.cfg.backend
         if b == "reference":
             cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", self.model,
-                   "--host", "127.0.0.1", "--port", str(port), "--threads", str(self.cfg.threads or 1)]
+                   "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1)]
         elif b == "sglang":
             if not self.cfg.python:
                 raise ValueError("rollout.engines.python: backend sglang needs the python of the SGLang venv")
             cmd = [self.cfg.python, "-m", "sglang.launch_server", "--model-path", self.model,
-                   "--host", "127.0.0.1", "--port", str(port)]
+                   "--host", self.cfg.host, "--port", str(port)]
             if self.cfg.tp > 1:
                 cmd += ["--tp-size", str(self.cfg.tp)]
         else:
@@ -186,12 +196,13 @@ class Fleet:
                             for i, u in enumerate(self.cfg.urls)]
         else:
             taken: set[int] = set()
+            host = advertised_host(self.cfg.host, self.cfg.advertise_host)
             for i in range(self.cfg.count):
                 port = self.cfg.base_port + i
-                if not port_free(port) or port in taken:
+                if not port_free(port, self.cfg.host) or port in taken:
                     port = free_port()
                 taken.add(port)
-                self.engines.append(Engine(index=i, url=f"http://127.0.0.1:{port}", port=port,
+                self.engines.append(Engine(index=i, url=f"http://{host}:{port}", port=port,
                                            world_size=self.cfg.tp))
             for e in self.engines:
                 self._launch(e)

@@ -57,6 +57,10 @@ class EnginesConfig(_Section):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines "
                                 "(e.g. SGLANG_USE_CPU_ENGINE: '1')")
     urls: list[str] = Field(default_factory=list, description="engine URLs (backend external)")
+    host: str = Field(default="127.0.0.1", min_length=1, description="address launched engines bind to")
+    advertise_host: str | None = Field(default=None, min_length=1, description="host in the URLs of launched "
+                                       "engines (what the trainer dials for weight sync); default: host, or this "
+                                       "machine's name when host is 0.0.0.0 / ::")
     tp: int = Field(default=1, ge=1, le=64, description="tensor-parallel size of each engine")
     base_port: int = Field(default=30000, ge=1024, le=65000, description="first port for launched engines")
     startup_timeout_s: float = Field(default=300.0, gt=0, description="how long an engine may take to become healthy")

@@ -193,6 +193,23 @@ def test_shipped_examples_run_in_the_service(tmp_path: Path, tiny_model, stacks)
             assert x.prompt.startswith("<|im_start|>user") and "What is" in x.prompt  # chat template applied
 
 
+def test_launched_engines_bind_the_configured_host_and_are_listed_under_the_advertised_name(
+        tmp_path: Path, tiny_model, stacks) -> None:
+    from tests.procs import free_port
+
+    s = stacks(tiny_model, {
+        "engines": {"backend": "reference", "count": 1, "base_port": free_port(), "host": "0.0.0.0",
+                    "advertise_host": "localhost"},
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4))},
+        "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 2}}).start()
+    (engine,) = s.get("/v1/engines")
+    assert engine["url"].startswith("http://localhost:")
+    pid = s.status()["engines"][0]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--host") + 1] == b"0.0.0.0"
+    assert s.post("/v1/generate_batch", {"groups": 1}).json()["groups"] == 1   # reached by that name
+
+
 def test_on_demand_batches_take_the_version_the_engines_report(tmp_path: Path, tiny_model, stacks) -> None:
     import httpx
 
