@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 
 log = logging.getLogger("headrace.rollout.transport")
 
@@ -221,6 +222,6 @@ def _raise_for_status(r: httpx.Response, url: str) -> None:
 
 def _json(r: httpx.Response, url: str) -> Any:
     try:
-        return r.json()
+        return orjson.loads(r.content)   # several times faster than the stdlib on logprob lists
     except ValueError:
         raise Retryable(f"{url}/generate answered non-JSON: {r.text[:200]!r}") from None
