@@ -55,6 +55,7 @@ class Seq:
     stop_len: int = 0
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
+    aborted_waiting: bool = False   # aborted from the waiting queue (SGLang then omits prompt_tokens)
 
     @property
     def tokens(self) -> list[int]:
@@ -125,6 +126,7 @@ class Scheduler:
         for s in list(self.waiting):
             if rid is None or rid in (s.rid, s.group):
                 self.waiting.remove(s)
+                s.aborted_waiting = True
                 self._finish(s, {"type": "abort", "message": message})
                 n += 1
         for s in self.running:

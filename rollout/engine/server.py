@@ -9,6 +9,8 @@ Guarantees:
   ``id``, ``finish_reason`` (``{"type": "length"|"stop"|"abort", ...}``), ``prompt_tokens``,
   ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency`` and, with
   ``return_logprob``, ``output_token_logprobs`` = ``[[logprob, token_id, text|null], ...]``.
+  A sequence aborted while still waiting (never prefilled, or retracted) has no
+  ``prompt_tokens``/``cached_tokens``, as SGLang answers an abort from its waiting queue.
 - A client that disconnects before its answer aborts its request (as SGLang does).
 - Bad input is a 400 ``{"error": {"message": ...}}`` naming the problem; the server keeps serving.
   Generation while the weights are released, or after a failed weight update left them partly
@@ -187,6 +189,8 @@ class Engine:
             "completion_tokens": len(s.output), "cached_tokens": 0, "weight_version": s.weight_version,
             "e2e_latency": round(time.monotonic() - s.created, 6),
         }
+        if s.aborted_waiting:  # as SGLang's tokenizer manager answers an abort from the waiting queue
+            del meta["prompt_tokens"], meta["cached_tokens"]
         if s.return_logprob:
             meta["output_token_logprobs"] = [
                 [lp, t, self.codec.token_text(t) if text_in_logprobs else None] for lp, t in zip(s.logprobs, s.output)]
