@@ -24,7 +24,9 @@ engines before the first lease; the buffer (same database: unconsumed groups sta
 never served again) and the rollout's data cursor (same ``rollout_state.json``: no prompt is drawn
 twice) carry on. metrics.jsonl rows after the checkpoint's step (an interrupted run trained past its
 last checkpoint) are dropped so the step column stays increasing. ``headrace run`` checkpoints
-every 10 steps when ``trainer.save_every`` is 0, so an interrupted run loses at most 10 steps.
+every 10 steps when ``trainer.save_every`` is 0; on Ctrl-C the trainer is stopped first, with
+SIGTERM, while the other services still run: it finishes its step, acks it and checkpoints it, so
+a Ctrl-C loses no finished step (a trainer killed outright loses at most 10).
 
 Guarantees: the resolved config is written to ``<out>/config.yaml`` before any child starts; a
 bad config fails before any process starts (exit 2, the message names the key); every child is
@@ -257,7 +259,7 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
             sup.wait_healthy(rollout, f"{cfg.rollout.url}/health", cfg.rollout.engines.startup_timeout_s + 60)
             trainer = sup.start("trainer", headrace_argv("train", "--config", str(config_file),
                                                          "--rollout-url", cfg.rollout.url),
-                                threads=cfg.trainer.threads or 1)
+                                threads=cfg.trainer.threads or 1, stop_first=True)
             with _Progress(cfg.trainer.steps, done, read_metrics(metrics_path)) as bar:
                 while trainer.alive():
                     sup.check()

@@ -2,8 +2,10 @@
 
 Guarantees: every child runs in its own process group with bounded torch threads and
 ``OMP_WAIT_POLICY=PASSIVE`` (several spinning OpenMP pools on 2 cores slow each other ~30x);
-``stop_all`` sends SIGTERM to each child's group in reverse start order, then SIGKILL after a
-grace period (further Ctrl-Cs are ignored meanwhile), so one Ctrl-C leaves no process behind. Nothing here signals a process it did not start.
+``stop_all`` first stops the children started with ``stop_first`` (the trainer: on SIGTERM it
+finishes its step against live services and checkpoints it), then sends SIGTERM to every other
+child's group, each stage followed by SIGKILL after a grace period (further Ctrl-Cs are ignored
+meanwhile), so one Ctrl-C leaves no process behind. Nothing here signals a process it did not start.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Child:
     popen: subprocess.Popen
     log_path: Path
     _log: IO[bytes] = field(repr=False)
+    stop_first: bool = False
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -128,13 +131,14 @@ class Supervisor:
         self.log_dir = log_dir
         self.children: list[Child] = []
 
-    def start(self, name: str, argv: Sequence[str], *, threads: int = 1, env: dict[str, str] | None = None) -> Child:
+    def start(self, name: str, argv: Sequence[str], *, threads: int = 1, env: dict[str, str] | None = None,
+              stop_first: bool = False) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=child_env(threads, env), start_new_session=True)
-        child = Child(name, popen, log_path, log)
+        child = Child(name, popen, log_path, log, stop_first=stop_first)
         self.children.append(child)
         return child
 
@@ -170,23 +174,25 @@ class Supervisor:
 
     def _stop_all(self, grace_s: float) -> None:
         spawned = [d for c in self.children if c.alive() for d in descendants(c.popen.pid)]
-        for c in reversed(self.children):
-            if c.alive():
+        first = [c for c in reversed(self.children) if c.stop_first]
+        for stage in (first, [c for c in reversed(self.children) if not c.stop_first]):
+            for c in stage:
+                if c.alive():
+                    try:
+                        os.killpg(c.popen.pid, signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + grace_s
+            for c in stage:
                 try:
-                    os.killpg(c.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for c in reversed(self.children):
-            try:
-                c.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(c.popen.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                c.popen.wait(10)
-            c._log.close()
+                    c.popen.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(c.popen.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    c.popen.wait(10)
+                c._log.close()
         for pid, started in spawned:   # what a child started and failed to stop (e.g. engines of a killed rollout)
             if _start_time(pid) == started:
                 try:

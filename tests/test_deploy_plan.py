@@ -117,6 +117,7 @@ def test_compose_services_are_real_headrace_commands() -> None:
     assert params["trainer"]["buffer_url"] == f"http://buffer:{params['buffer']['port']}"
     # the trainer shares the rollout container's network (engines are on its 127.0.0.1)
     assert services["trainer"]["network_mode"] == "service:rollout" and "ports" not in services["trainer"]
+    assert services["trainer"]["init"] is True and services["trainer"]["stop_grace_period"] == "120s"
     assert params["trainer"]["rollout_url"] == f"http://127.0.0.1:{params['rollout']['port']}"
     for svc in services.values():   # the token reaches every service under the config key buffer.token
         assert "HEADRACE_BUFFER__TOKEN" in svc["environment"]

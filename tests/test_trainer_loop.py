@@ -169,3 +169,61 @@ def test_bad_batch_stops_trainer_with_state_kept(tmp_path, model_dir, buffer):
     assert {p.name for p in (ckpt / "step_00000001").iterdir()} >= {"model_tp0.pt", "rng_rank0.pt", "rng_rank1.pt"}
     meta = json.loads((ckpt / "step_00000001" / "meta.json").read_text())
     assert (meta["step"], meta["policy_version"], meta["groups_consumed"]) == (1, 1, GROUPS_PER_STEP)
+
+
+def _sigterm_when(proc: Proc, tmp_path: Path, rows: int, limit: float = 300.0) -> None:
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + limit
+    path = tmp_path / "out" / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.alive(), proc.log()
+        if path.is_file() and len(path.read_text().splitlines()) >= rows:
+            os.kill(proc.pid, signal.SIGTERM)      # the launcher only: it passes the signal to its ranks
+            return
+        time.sleep(0.2)
+    pytest.fail(f"fewer than {rows} steps within {limit}s:\n{proc.log()}")
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_step_checkpoints_it_and_resume_continues(tmp_path, model_dir, buffer):
+    steps = 30
+    with BufferClient(buffer) as c:
+        c.post_groups(synthetic_groups(steps * GROUPS_PER_STEP))
+    # two DP ranks (gloo) must agree on the stop; a lease wait far longer than the test allows shows
+    # that a rank 0 waiting for groups notices the request too
+    config = write_config(tmp_path, model_dir, buffer, dp=2, save_every=0, lease_wait_s=600.0, export_hf=True)
+    cmd = headrace_cmd("train", "--config", str(config), "--buffer-url", buffer)
+
+    proc = Proc(cmd, tmp_path / "train1.log", env=child_env(threads=1))
+    try:
+        _sigterm_when(proc, tmp_path, rows=2)        # mid-run: steps keep coming
+        assert proc.popen.wait(120) == 0, proc.log()
+    finally:
+        proc.stop()
+    log = (tmp_path / "train1.log").read_text()
+    assert "stopped on request (SIGTERM) at step" in log, log
+    done = [r["step"] for r in metrics(tmp_path)]
+    k = done[-1]
+    assert done == list(range(1, k + 1)) and k < steps
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"step_{k:08d}"   # save_every 0: only the stop saved it
+    assert not (tmp_path / "out" / "hf").exists()                          # not finished: no export
+    with BufferClient(buffer) as c:
+        s = c.stats()
+    assert (s.consumed, s.leased, s.policy_version) == (k * GROUPS_PER_STEP, 0, k)   # the last step was acked
+
+    proc = Proc(cmd, tmp_path / "train2.log", env=child_env(threads=1))
+    try:
+        _sigterm_when(proc, tmp_path, rows=steps)   # every group consumed: rank 0 now waits for more
+        assert proc.popen.wait(60) == 0, proc.log()   # far less than lease_wait_s
+    finally:
+        proc.stop()
+    log = (tmp_path / "train2.log").read_text()
+    assert "resumed from" in log and "stopped on request (SIGTERM) at step 30" in log, log
+    assert [r["step"] for r in metrics(tmp_path)] == list(range(1, steps + 1))
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"step_{steps:08d}"
+    with BufferClient(buffer) as c:
+        s = c.stats()
+    assert (s.consumed, s.leased, s.queued, s.policy_version) == (steps * GROUPS_PER_STEP, 0, 0, steps)

@@ -55,7 +55,8 @@ def train(
         typer.echo(f"headrace train: failed: {last}", err=True)
         raise typer.Exit(1) from None
     r = results[0]
-    typer.echo(f"headrace train: done at step {r['step']}, policy version {r['policy_version']}, "
+    how = "stopped on request (SIGTERM) at step" if r.get("stopped") else "done at step"
+    typer.echo(f"headrace train: {how} {r['step']}, policy version {r['policy_version']}, "
                f"{r['groups_consumed']} groups consumed", err=True)
 
 

@@ -5,6 +5,10 @@ may hold torch thread pools or sockets), sets RANK / LOCAL_RANK / WORLD_SIZE / M
 MASTER_PORT (a port free on loopback) and the thread limits before torch is imported in the child,
 calls ``fn(*args)`` and returns each rank's return value in rank order.
 
+A SIGTERM to the calling process (when ``spawn`` runs in the main thread) is passed on to every
+rank that is still running and ``spawn`` keeps collecting results, so ranks that stop gracefully on
+SIGTERM (``trainer.loop``) can finish their checkpoint.
+
 Guarantees: if any rank raises, ``spawn`` raises ``RuntimeError`` carrying that rank's traceback
 and ends the other ranks it started (by their process handles); a rank that dies without a result
 (killed, segfault) or a job that runs past ``timeout_s`` is an error too. Nothing is left running.
@@ -18,7 +22,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -88,6 +94,13 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     procs = [ctx.Process(target=_child, args=(r, child_env, payload, results), daemon=False)
              for r in range(world_size)]
     out: dict[int, Any] = {}
+
+    def forward(signum: int, frame: Any) -> None:
+        for p in procs:
+            if p.pid is not None and p.exitcode is None:
+                p.terminate()
+
+    previous = signal.signal(signal.SIGTERM, forward) if threading.current_thread() is threading.main_thread() else None
     try:
         for p in procs:
             p.start()
@@ -118,6 +131,8 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
             p.join(30)
         return [out[r] for r in range(world_size)]
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for p in procs:
             if p.is_alive():
                 p.terminate()

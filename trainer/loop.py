@@ -22,6 +22,10 @@ Guarantees:
 - Train-only mode (no rollout URL): the loop trains on what the buffer holds and stops cleanly when
   fewer than ``groups_per_step`` groups arrive within ``lease_wait_s``. With a rollout URL it waits.
 - Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version).
+- SIGTERM (preemption, ``docker stop``, ``headrace run``'s Ctrl-C) is a request to stop: the step
+  in progress finishes and is acked, every rank agrees at the step boundary, a checkpoint of that
+  step is written and the loop returns normally (no HF export: the run is not finished). A rank 0
+  waiting for groups notices within ``STOP_POLL_S``.
 
 ``WeightSyncHook`` is where weight sync to the engines plugs in (the default does nothing);
 configure one with ``trainer.weight_sync_hook: module:function`` — a factory called on every rank
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +55,39 @@ from trainer.optim import build_optimizer, build_scheduler
 from trainer.step import TrainerState, train_step
 
 log = logging.getLogger("headrace.trainer")
+
+STOP_POLL_S = 2.0  # longest single lease wait, so a stop request is seen this quickly
+
+
+class StopRequest:
+    """Set by SIGTERM (in the main thread's handler); ranks agree on it at step boundaries."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if not self.requested:
+            log.warning("SIGTERM: stopping after the current step (a checkpoint of it will be written)")
+        self.requested = True
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank was asked to stop (one tiny all-reduce per step)."""
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return self.requested
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
 
 class WeightSyncHook(Protocol):
@@ -91,8 +130,9 @@ class LeaseSource:
     """Rank 0 leases and validates; every rank gets the same ``Leased``, None (stop) or the error."""
 
     def __init__(self, cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None, rank: int,
-                 vocab_size: int, max_seq_len: int) -> None:
+                 vocab_size: int, max_seq_len: int, stop: StopRequest | None = None) -> None:
         self.cfg, self.rank, self.train_only = cfg, rank, rollout_url is None
+        self.stop = stop or StopRequest()
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.client = None
         self.min_version = 0      # leases take no group older than policy_version - max_staleness
@@ -103,12 +143,19 @@ class LeaseSource:
 
     def _lease_rank0(self) -> dict[str, Any]:
         n = self.cfg.rollout.groups_per_step
+        wait_s = self.cfg.trainer.lease_wait_s
         t0 = time.perf_counter()
+        attempt = t0
         while True:
-            lease = self.client.lease(n, wait_s=self.cfg.trainer.lease_wait_s, lease_s=self.cfg.buffer.lease_s,
-                                      min_weight_version=self.min_version or None)
+            if self.stop.requested:
+                return {"kind": "stop", "reason": "stop requested (SIGTERM) while waiting for groups"}
+            lease = self.client.lease(n, wait_s=min(STOP_POLL_S, max(0.05, attempt + wait_s - time.perf_counter())),
+                                      lease_s=self.cfg.buffer.lease_s, min_weight_version=self.min_version or None)
             if lease is not None:
                 break
+            if time.perf_counter() - attempt < wait_s:
+                continue
+            attempt = time.perf_counter()
             if self.train_only:
                 st = self.client.stats()
                 return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
@@ -213,13 +260,17 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
             load_checkpoint(st, latest)
             log.info("resumed from %s (step %d, policy version %d)", latest, st.step, st.policy_version)
         arch = st.model.arch
-        source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size, arch.max_position_embeddings)
+        stop = StopRequest()
+        stop.install()
+        source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size, arch.max_position_embeddings,
+                             stop)
         out = Path(cfg.run.out)
         writer = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None) \
             if info.rank == 0 else None
         hook = hook or _make_hook(cfg, info, rollout_url)
         last: dict[str, Any] = {}
         saved_at = st.step
+        stopped = False
         try:
             source.set_policy_version(st.policy_version)
             initial = getattr(hook, "initial_metrics", None)
@@ -259,17 +310,24 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
                 if t.save_every and st.step % t.save_every == 0:
                     save_checkpoint(st, ckpt_dir)
                     saved_at = st.step
+                if stop.agreed():
+                    stopped = True
+                    break
+            stopped = stopped or stop.agreed()   # e.g. rank 0 was told while waiting for groups
             if st.step > saved_at:
                 save_checkpoint(st, ckpt_dir)
-            if t.export_hf:
+            if stopped:
+                log.info("stopped at step %d on request; checkpoint in %s", st.step, ckpt_dir)
+            elif t.export_hf:
                 export_hf(st, cfg.resolved_path(t.export_hf_dir, "hf"), cfg.model)
         finally:
+            stop.uninstall()
             hook.close()
             source.close()
             if writer is not None:
                 writer.close()
         return {"rank": info.rank, "step": st.step, "policy_version": st.policy_version,
-                "groups_consumed": st.groups_consumed, "last": last}
+                "groups_consumed": st.groups_consumed, "last": last, "stopped": stopped}
     finally:
         destroy_distributed()
 
