@@ -13,6 +13,9 @@ Guarantees:
 - A launched engine whose process exits, or that fails ``health_failures`` checks in a row, is
   marked unhealthy at once (requests on it fail and are rerouted by the caller), killed and
   relaunched on the same port (up to ``max_restarts``).
+- While generation is paused or engine memory is released (``quiet``, set by the service), the
+  probe is ``/get_model_info`` instead of ``/health``: SGLang's /health runs a generation, so it
+  blocks and answers 503 while paused; a paused engine is alive, not down.
 - A restarted engine loads weights from the model directory. If the fleet already moved past
   weight version 0 it is held out of routing (``stale``) until the next ``/v1/resume`` — after
   the trainer has synced weights to every engine listed by /v1/engines — so no token is ever
@@ -125,6 +128,7 @@ class Fleet:
                                                           keepalive_expiry=2.0))
         self._closing = False
         self.on_replaced: Any = None  # async callback(engine) after a restart, set by the router
+        self.quiet: set[str] = set()  # why generation is held ("paused", "memory released"): liveness probes only
 
     # ---- launching ----
 
@@ -181,8 +185,9 @@ class Fleet:
                            f"(rollout.engines.startup_timeout_s); log {e.log_path}")
 
     async def _probe(self, e: Engine) -> bool:
+        path = "/get_model_info" if self.quiet else "/health"
         try:
-            r = await self.http.get(f"{e.url}/health", timeout=5.0)
+            r = await self.http.get(f"{e.url}{path}", timeout=5.0)
             return r.status_code == 200
         except httpx.HTTPError:
             return False

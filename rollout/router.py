@@ -6,7 +6,9 @@ Guarantees:
 - ``SGLangRouter`` runs ``python -m sglang_router.launch_router`` (sglang-router 0.3.x, from the
   SGLang venv) as a child process and manages its workers over HTTP: ``POST /workers {"url"}``,
   ``GET /workers``, ``DELETE /workers/{id}``. Requests then go to the router's URL; health,
-  restart and pause/abort still talk to every engine directly.
+  restart and pause/abort still talk to every engine directly. The router's own health checks use
+  ``/get_model_info`` (liveness) unless ``router_args`` name ``--health-check-endpoint``: SGLang's
+  /health fails while generation is paused.
 """
 
 from __future__ import annotations
@@ -87,9 +89,14 @@ class SGLangRouter:
     async def start(self) -> None:
         from rollout.fleet import free_port
 
-        # its Prometheus exporter binds a fixed port (29000) by default: give it a free one
+        # its Prometheus exporter binds a fixed port (29000) by default: give it a free one. Its own
+        # health checks probe liveness only (SGLang's /health blocks and fails while generation is
+        # paused: a long training phase would get every worker marked unhealthy); the fleet watches
+        # /health itself and takes a dead engine out of the router.
+        health = [] if any(a.startswith("--health-check-endpoint") for a in self.args) else \
+            ["--health-check-endpoint", "/get_model_info"]
         cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *self.args]
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *health, *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,

@@ -142,6 +142,7 @@ class RolloutService:
     async def pause(self, req: PauseRequest) -> dict[str, Any]:
         t0 = time.monotonic()
         self.gate.close()
+        self.fleet.quiet.add("paused")
         if req.mode == "abort":
             self.gate.abort_epoch += 1
             await self.fleet.broadcast("/pause_generation", {"mode": "abort"}, timeout=30.0)
@@ -158,6 +159,7 @@ class RolloutService:
         v = self.gate.version if req.weight_version is None else req.weight_version
         self.fleet.set_version(v)
         results = await self.fleet.broadcast("/continue_generation", {}, timeout=30.0)
+        self.fleet.quiet.discard("paused")
         self.gate.open(v)
         bad = {u: r for u, r in results.items() if r.get("status") not in (200, 404)}
         return {"paused": False, "weight_version": v, "engine_errors": bad}
@@ -165,7 +167,12 @@ class RolloutService:
     async def memory(self, path: str, req: MemoryRequest) -> dict[str, Any]:
         if self.gate.in_flight:
             raise HTTPException(409, f"{self.gate.in_flight} requests in flight: POST /v1/pause first")
+        releasing = path.startswith("/release")
+        if releasing:
+            self.fleet.quiet.add("memory released")
         results = await self.fleet.broadcast(path, {"tags": req.tags}, timeout=300.0)
+        if not releasing and all(r.get("status") == 200 for r in results.values()):
+            self.fleet.quiet.discard("memory released")
         bad = {u: r for u, r in results.items() if r.get("status") != 200}
         if bad:
             raise HTTPException(502, {"message": f"{path} failed on {len(bad)} engine(s)", "engines": bad})

@@ -316,6 +316,18 @@ def test_pause_retract_holds_and_continue_resumes(engine: Any) -> None:
 # ---- health and info -------------------------------------------------------------------------
 
 
+def test_health_answers_503_while_generation_is_paused(engine: Any) -> None:
+    # SGLang's /health generates one token; a paused server cannot, and answers 503 (after its
+    # 20 s health-check timeout). Fleets must not take that for a dead engine.
+    assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    try:
+        assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 503
+        assert httpx.get(f"{engine.url}/get_model_info", timeout=30).status_code == 200   # alive
+    finally:
+        assert post(engine, "/continue_generation").status_code == 200
+    assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 200
+
+
 def test_health(engine: Any) -> None:
     assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
     assert httpx.get(f"{engine.url}/health_generate", timeout=60).status_code == 200

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.procs import free_port
@@ -58,6 +59,33 @@ def test_engine_killed_mid_run_is_rerouted_and_restarted(tmp_path: Path, tiny_mo
     groups = s.lease_all()
     assert len({g.group_id for g in groups}) == len(groups) >= produced_at_kill + 6
     assert all(x.response_length == 24 and x.status == "truncated" for g in groups for x in g.samples)
+
+
+@pytest.mark.slow
+def test_a_paused_engine_is_alive_not_down(tmp_path: Path, tiny_model, stacks) -> None:
+    # SGLang's /health runs a generation: while paused it blocks and answers 503 (the reference
+    # engine answers 503 too). A long pause (a big model's training phase) must not get every
+    # engine marked down and restarted: the fleet probes liveness (/get_model_info) meanwhile.
+    s = stacks(tiny_model, {
+        "engines": {"backend": "reference", "count": 1, "base_port": free_port(), "health_interval_s": 0.2,
+                    "health_failures": 2},
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 200))},
+        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4,
+        "sampling": {"max_new_tokens": 8, "ignore_eos": True}}).start()
+    st = s.wait(lambda st: st["produced"] >= 2, what="groups produced")
+    assert s.post("/v1/pause", {"mode": "abort"}).status_code == 200
+    url = st["engines"][0]["url"]
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 503      # what a naive probe would see
+    time.sleep(3.0)                                                          # 15 probe intervals
+    st = s.status()
+    assert st["engines"][0]["restarts"] == 0 and st["engines"][0]["healthy"], st["engines"]
+    assert "down" not in s.rollout.log()
+    produced = st["produced"]
+    assert s.post("/v1/resume", {}).status_code == 200
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    s.wait(lambda st: st["produced"] >= produced + 2, what="generation after resume")
+    _kill(st["engines"][0]["pid"])                                           # a dead one is still found
+    s.wait(lambda st: st["engines"][0]["restarts"] == 1, timeout=60, what="engine restarted")
 
 
 @pytest.mark.slow

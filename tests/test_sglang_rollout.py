@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,18 @@ def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_k
         check_groups(s.lease_all(), vocab)
         # concurrent sequences went through the router as batch /generate requests, which it accepts
         assert st["generate_requests"] < st["sequences_sent"] and st["refused_batches"] == 0, st
+        assert "--health-check-endpoint /get_model_info" in s.rollout.log()   # the router's checks too
+
+        # a pause longer than health_failures x (interval + probe timeout): SGLang's /health fails
+        # while paused, yet the engines are alive and must still be healthy (restart is off here:
+        # an engine marked down would stay down)
+        assert s.post("/v1/pause", {"mode": "abort"}).status_code == 200
+        time.sleep(22.0)
+        st = s.status()
+        assert all(e["healthy"] for e in st["engines"]), st["engines"]
+        assert "down" not in s.rollout.log()
+        assert s.post("/v1/resume", {}).status_code == 200
+        st = s.wait(lambda x: x["produced"] >= st["produced"] + 2, timeout=300, what="generation after a long pause")
 
         victim = st["engines"][0]
         os.killpg(victim["pid"], signal.SIGKILL)   # the engine's process group: launcher, scheduler, detokenizer

@@ -12,6 +12,8 @@ Guarantees:
   A sequence aborted while still waiting (never prefilled, or retracted) has no
   ``prompt_tokens``/``cached_tokens``, as SGLang answers an abort from its waiting queue.
 - A client that disconnects before its answer aborts its request (as SGLang does).
+- ``/health`` and ``/health_generate`` answer 503 while generation is paused (SGLang's run a
+  generation, which a pause holds).
 - Bad input is a 400 ``{"error": {"message": ...}}`` naming the problem; the server keeps serving.
   Generation while the weights are released, or after a failed weight update left them partly
   written, is a 503 with the reason.
@@ -292,12 +294,16 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
         gone.cancel()
         return json_response(task.result())
 
+    # SGLang's /health and /health_generate run a one-token generation: while generation is
+    # paused that cannot happen and they answer 503 (SGLang after its health-check timeout, here at once)
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.scheduler.alive() else 503)
+        return Response(status_code=200 if engine.scheduler.alive() and not engine.scheduler.paused else 503)
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
+        if engine.scheduler.paused:
+            return Response(status_code=503)
         return Response(status_code=200 if await engine.health_generate() else 503)
 
     @app.get("/get_model_info")
