@@ -92,7 +92,7 @@ class SGLangRouter:
         # its Prometheus exporter binds a fixed port (29000) by default: give it a free one. Its own
         # health checks probe liveness only (SGLang's /health blocks and fails while generation is
         # paused: a long training phase would get every worker marked unhealthy); the fleet watches
-        # /health itself and takes a dead engine out of the router.
+        # /health itself, restarts a dead engine and registers the new one again.
         health = [] if any(a.startswith("--health-check-endpoint") for a in self.args) else \
             ["--health-check-endpoint", "/get_model_info"]
         cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
