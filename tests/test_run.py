@@ -165,7 +165,7 @@ def test_sigint_stops_every_child_and_resume_continues(model_dir: Path, tmp_path
 
     done = int((out / "ckpt" / "latest").read_text().strip().split("_")[1])
     # the trainer was stopped first (SIGTERM): it checkpointed the last step it finished
-    assert done == step_rows(out)[-1]["step"], proc.log()
+    assert done == step_rows(out)[-1]["step"], proc.log_path.read_text()[-4000:]
     r = headrace_run("--resume", str(out), env=child_env(HEADRACE_TRAINER__STEPS=str(done + 1)))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = step_rows(out)
