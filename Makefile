@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml
 
 sglang-venv: $(SGLANG_VENV)/.installed
 
-$(SGLANG_VENV)/.installed: scripts/build_sglang_venv.sh $(wildcard tests/sglang_cpu/pyproject.toml tests/sglang_cpu/sgl_kernel/*.py)
+$(SGLANG_VENV)/.installed: scripts/build_sglang_venv.sh $(wildcard tests/sglang/sglang_cpu/pyproject.toml tests/sglang/sglang_cpu/sgl_kernel/*.py)
 	bash scripts/build_sglang_venv.sh $(SGLANG_VENV)
 	touch $@
 

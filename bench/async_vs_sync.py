@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 
 def run_once(model: Path, work: Path, placement: str, steps: int, groups: int, n: int) -> dict[str, float]:
-    from deploy.demo import demo_config_dict
+    from headrace.deploy.demo import demo_config_dict
     from tests.procs import child_env
 
     out = work / placement
@@ -67,7 +67,7 @@ def run_once(model: Path, work: Path, placement: str, steps: int, groups: int, n
     c["trainer"]["save_every"] = steps
     cfg = work / f"{placement}.yaml"
     cfg.write_text(yaml.safe_dump(c))
-    r = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--config", str(cfg)], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "headrace.deploy.cli", "run", "--config", str(cfg)], cwd=REPO,
                        env=child_env(), capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{placement} run failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=1, help="paired rounds (order alternates); the median ratio is reported")
     args = ap.parse_args()
-    from shared.modelzoo import init_model
+    from headrace.shared.modelzoo import init_model
 
     ratios = []
     with tempfile.TemporaryDirectory(prefix="async_vs_sync-") as d:

@@ -33,7 +33,7 @@ from starlette.responses import Response
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.client import BufferClient  # noqa: E402
+from headrace.shared.client import BufferClient  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 PROMPT, RESPONSE, SAMPLES = 512, 1536, 8

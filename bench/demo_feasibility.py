@@ -47,10 +47,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from deploy.demo import (MAX_NEW_TOKENS, _load, eval_items, generate, model_accuracy, render_prompt,
+    from headrace.deploy.demo import (MAX_NEW_TOKENS, _load, eval_items, generate, model_accuracy, render_prompt,
                              reward, sequence_logprobs, task_items, warm_start)
-    from shared.modelzoo import init_model
-    from trainer.loss import group_advantages, policy_loss
+    from headrace.shared.modelzoo import init_model
+    from headrace.trainer.loss import group_advantages, policy_loss
 
     work = Path(args.workdir)
     t0 = time.time()

@@ -93,7 +93,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="engine-bench-")
     model_dir = Path(args.model) if args.model else None
     if model_dir is None:
-        from shared.modelzoo import init_model
+        from headrace.shared.modelzoo import init_model
 
         model_dir = init_model(args.preset, Path(tmp.name) / args.preset)
     from transformers import AutoModelForCausalLM

@@ -89,7 +89,7 @@ def main() -> None:
                     help="sequences per request of the batched direct baseline (the service's engines.coalesce_max)")
     args = ap.parse_args()
 
-    from shared.modelzoo import init_model, load_tokenizer
+    from headrace.shared.modelzoo import init_model, load_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     model = init_model(args.preset, tmp / "model")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_groups(groups: int, size: int, prompt_len: int, resp_min: int, resp_max: int, vocab: int, seed: int = 0):
-    from shared.schemas import Group, Sample
+    from headrace.shared.schemas import Group, Sample
 
     rng = random.Random(seed)
     out = []
@@ -48,7 +48,7 @@ def make_groups(groups: int, size: int, prompt_len: int, resp_min: int, resp_max
 
 
 def _trainer_cfg():
-    from shared.config import TrainerConfig
+    from headrace.shared.config import TrainerConfig
 
     return TrainerConfig(lr=1e-5, grad_clip=1.0, micro_batch_tokens=1 << 20)
 
@@ -57,10 +57,10 @@ def _ours_setup(model_dir: str, groups: list[dict], info):
     """Our model and its packed batch; returns (step_fn -> (seconds, tokens), logprobs per sample)."""
     import torch
 
-    from trainer.batch import build_batch, pack
-    from trainer.model import load_model
-    from trainer.optim import build_optimizer, build_scheduler
-    from trainer.step import TrainerState, train_step
+    from headrace.trainer.batch import build_batch, pack
+    from headrace.trainer.model import load_model
+    from headrace.trainer.optim import build_optimizer, build_scheduler
+    from headrace.trainer.step import TrainerState, train_step
 
     cfg = _trainer_cfg()
     model = load_model(model_dir, info)
@@ -82,7 +82,7 @@ def _ours_setup(model_dir: str, groups: list[dict], info):
 def interleaved(model_dir: str, groups: list[dict], steps: int) -> dict:
     """Ours (TP=1) and transformers in one process, steps alternating, so load on a shared machine
     hits both alike."""
-    from trainer.parallel import destroy_distributed, init_distributed
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
 
     info = init_distributed(1, 1)
     try:
@@ -104,7 +104,7 @@ def interleaved(model_dir: str, groups: list[dict], steps: int) -> dict:
 
 def ours(model_dir: str, groups: list[dict], steps: int, tp: int) -> dict | None:
     """Our model through the real train step on one rank of a TP job."""
-    from trainer.parallel import destroy_distributed, init_distributed
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
 
     info = init_distributed(tp, 1)
     try:
@@ -124,9 +124,9 @@ def _hf_setup(model_dir: str, groups: list[dict]):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trainer.batch import build_batch
-    from trainer.loss import group_advantages, policy_loss
-    from trainer.optim import build_optimizer
+    from headrace.trainer.batch import build_batch
+    from headrace.trainer.loss import group_advantages, policy_loss
+    from headrace.trainer.optim import build_optimizer
 
     cfg = _trainer_cfg()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
@@ -186,8 +186,8 @@ def main() -> int:
 
     import torch
 
-    from shared.modelzoo import init_model
-    from trainer.launch import spawn
+    from headrace.shared.modelzoo import init_model
+    from headrace.trainer.launch import spawn
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -63,16 +63,16 @@ def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path,
                   in_place: bool = False) -> tuple[list[subprocess.Popen], list[str]]:
     import httpx
 
-    from shared.weight_sync import free_port
+    from headrace.shared.weight_sync import free_port
 
     procs, urls = [], []
     for i in range(n):
         port = free_port()
         if target == "reference":
-            cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port),
+            cmd = [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", str(model_dir), "--port", str(port),
                    "--threads", "1", "--weight-sync-timeout", "600"]
         else:
-            cmd = [sys.executable, "-m", "rollout.engine.weights", "--port", str(port), "--timeout-s", "600"]
+            cmd = [sys.executable, "-m", "headrace.rollout.engine.weights", "--port", str(port), "--timeout-s", "600"]
             cmd += ["--in-place"] if in_place else []
         log = open(logdir / f"{target}{i}.log", "ab")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
@@ -98,7 +98,7 @@ def _raw_receiver(port: int, rank: int, world: int, numel: int, reps: int) -> No
     import torch
     import torch.distributed as dist
 
-    from shared.weight_sync import join_update_group
+    from headrace.shared.weight_sync import join_update_group
 
     torch.set_num_threads(1)
     pg = join_update_group("127.0.0.1", port, rank, world, "raw_bench", "gloo", 600)
@@ -127,7 +127,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from shared.weight_sync import EngineTarget, WeightSender, free_port, join_update_group
+    from headrace.shared.weight_sync import EngineTarget, WeightSender, free_port, join_update_group
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -135,7 +135,7 @@ def main() -> None:
     if args.target == "reference":
         model_dir = args.model or args.out / "smollm2-135m"
         if not (model_dir / "model.safetensors").exists():
-            from shared.modelzoo import init_model
+            from headrace.shared.modelzoo import init_model
             print(f"writing SmolLM2-135M to {model_dir} ...", flush=True)
             init_model("smollm2-135m", model_dir)
         from safetensors.torch import load_file

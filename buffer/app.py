@@ -30,13 +30,13 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
-from buffer.ingest import parse_groups
-from buffer.metrics import CONTENT_TYPE, BufferMetrics
-from buffer.policy import BufferFull, LeaseConflict, LeaseNotFound
-from buffer.store import Lease, Store
-from shared import wire
-from shared.config import BufferConfig
-from shared.schemas import LeaseRequest, PolicyVersionRequest
+from headrace.buffer.ingest import parse_groups
+from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
+from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound
+from headrace.buffer.store import Lease, Store
+from headrace.shared import wire
+from headrace.shared.config import BufferConfig
+from headrace.shared.schemas import LeaseRequest, PolicyVersionRequest
 
 T = TypeVar("T")
 log = logging.getLogger("headrace.buffer")

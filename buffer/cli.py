@@ -26,7 +26,7 @@ def serve(
     log_level: str = typer.Option("warning", help="uvicorn log level"),
 ) -> None:
     """Serve the buffer HTTP API."""
-    from shared.config import ConfigError, load_config
+    from headrace.shared.config import ConfigError, load_config
 
     if db and memory:
         raise typer.BadParameter("give either --db PATH or --memory, not both")
@@ -38,7 +38,7 @@ def serve(
     except ConfigError as e:
         typer.echo(f"headrace buffer serve: {e}", err=True)
         raise typer.Exit(2) from None
-    from buffer.app import serve as run_server
+    from headrace.buffer.app import serve as run_server
 
     where = "memory (not durable)" if cfg.memory else (cfg.db or "buffer.sqlite")
     typer.echo(f"headrace buffer: http://{cfg.host}:{cfg.port} store={where} capacity={cfg.capacity} "

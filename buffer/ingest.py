@@ -15,9 +15,9 @@ from typing import Any
 import msgpack
 from pydantic import ValidationError
 
-from buffer.store import GroupRow
-from shared import wire
-from shared.schemas import PostGroupsRequest
+from headrace.buffer.store import GroupRow
+from headrace.shared import wire
+from headrace.shared.schemas import PostGroupsRequest
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -29,7 +29,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from buffer.policy import (BufferFull, GroupState, LeaseNotFound, LeaseState, lease_transition,
+from headrace.buffer.policy import (BufferFull, GroupState, LeaseNotFound, LeaseState, lease_transition,
                            retry_after_s, stale_cutoff)
 
 _SCHEMA = """

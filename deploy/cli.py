@@ -10,11 +10,11 @@ import sys
 
 import typer
 
-from buffer.cli import app as buffer_app
-from deploy.commands import init_model, launch, run
-from rollout.cli import app as rollout_app
-from rollout.engine.cli import app as engine_app
-from trainer.cli import model_app, train
+from headrace.buffer.cli import app as buffer_app
+from headrace.deploy.commands import init_model, launch, run
+from headrace.rollout.cli import app as rollout_app
+from headrace.rollout.engine.cli import app as engine_app
+from headrace.trainer.cli import model_app, train
 
 app = typer.Typer(
     name="headrace",

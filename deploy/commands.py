@@ -13,8 +13,8 @@ def run(
     resume: Optional[str] = typer.Option(None, help="continue the run in this directory from its last checkpoint"),
 ) -> None:
     """Start buffer, engines, rollout and trainer on this machine and train."""
-    from deploy.local import run_local
-    from shared.config import ConfigError
+    from headrace.deploy.local import run_local
+    from headrace.shared.config import ConfigError
 
     try:
         code = run_local(config, out, resume)
@@ -33,8 +33,8 @@ def launch(
     """Launch the services on a Ray cluster."""
     import json
 
-    from deploy.plan import PlanError, assumed_nodes, make_plan
-    from shared.config import ConfigError, load_config
+    from headrace.deploy.plan import PlanError, assumed_nodes, make_plan
+    from headrace.shared.config import ConfigError, load_config
 
     try:
         cfg = load_config(config)
@@ -42,7 +42,7 @@ def launch(
             plan = make_plan(cfg, placement, assumed_nodes(assume_gpus))  # type: ignore[arg-type]
             typer.echo(json.dumps(plan.to_json(), indent=2))
             return
-        from deploy.ray_launch import launch_on_ray
+        from headrace.deploy.ray_launch import launch_on_ray
 
         launch_on_ray(cfg, placement, dry_run=dry_run)  # type: ignore[arg-type]
     except (ConfigError, PlanError) as e:
@@ -57,7 +57,7 @@ def init_model(
     seed: int = typer.Option(0, min=0, help="seed of the random initialisation (random presets)"),
 ) -> None:
     """Write a small HF model directory (config, safetensors, tokenizer) offline."""
-    from shared.modelzoo import describe, init_model as write_model, presets
+    from headrace.shared.modelzoo import describe, init_model as write_model, presets
 
     if preset not in presets():
         typer.echo(f"headrace init-model: unknown preset {preset!r}; available: {', '.join(presets())}", err=True)

@@ -202,7 +202,7 @@ def _load(model_dir: str | Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.modelzoo import load_tokenizer
+    from headrace.shared.modelzoo import load_tokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return model, load_tokenizer(model_dir)
@@ -307,7 +307,7 @@ def prepare_demo_model(cache_dir: str | Path = "models", *, seed: int = 0, log: 
     import torch
     from transformers.utils import logging as hf_logging
 
-    from shared.modelzoo import init_model
+    from headrace.shared.modelzoo import init_model
 
     hf_logging.disable_progress_bar()
     cache = Path(cache_dir)

@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.plot import plot_metrics, read_metrics
-from deploy.supervisor import ChildFailed, Supervisor, free_port, headrace_argv, port_free
-from shared.config import ConfigError, HeadraceConfig, load_config, save_config
+from headrace.deploy.plot import plot_metrics, read_metrics
+from headrace.deploy.supervisor import ChildFailed, Supervisor, free_port, headrace_argv, port_free
+from headrace.shared.config import ConfigError, HeadraceConfig, load_config, save_config
 
 
 DEFAULT_SAVE_EVERY = 10
@@ -70,7 +70,7 @@ def resolve(config_path: str | None, out: str | None, resume: str | None) -> tup
 
         import yaml
 
-        from deploy.demo import demo_config_dict
+        from headrace.deploy.demo import demo_config_dict
 
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(demo_config_dict(), f)
@@ -110,7 +110,7 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
 def prepare_model(cfg: HeadraceConfig, demo: bool) -> None:
     """Make sure cfg.model exists; the demo builds its model and warm-starts it (both cached)."""
     if demo:
-        from deploy.demo import prepare_demo_model
+        from headrace.deploy.demo import prepare_demo_model
 
         cfg.model = str(prepare_demo_model(Path(cfg.model).parent).resolve())
         return

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from shared.config import HeadraceConfig
+from headrace.shared.config import HeadraceConfig
 
 Placement = Literal["colocated", "disaggregated"]
 

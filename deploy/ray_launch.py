@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deploy.plan import Placement, Plan, make_plan, ray_nodes
-from shared.config import HeadraceConfig, save_config
+from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
+from headrace.shared.config import HeadraceConfig, save_config
 
 CPUS_PER_BUNDLE = 1
 PG_TIMEOUT_S = 600.0
@@ -97,7 +97,7 @@ class _Probe:
 def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
     import ray
 
-    from deploy.supervisor import wait_http
+    from headrace.deploy.supervisor import wait_http
 
     def dead() -> str | None:
         code = ray.get(actor.poll.remote())
@@ -115,7 +115,7 @@ def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
         python = eng.python or sys.executable
         return [python, "-m", "sglang.launch_server", "--model-path", cfg.model, "--host", host, "--port", str(port),
                 "--tp-size", str(cfg.run.engine_tp), *eng.args]
-    return [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", cfg.model, "--host", host, "--port", str(port), *eng.args]
+    return [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", cfg.model, "--host", host, "--port", str(port), *eng.args]
 
 
 def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = False) -> int:
@@ -169,7 +169,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             run_cfg.rollout.mode = "on_demand"
         run_cfg.run.placement = placement
 
-        buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("buffer", [sys.executable, "-m", "deploy.cli", "buffer", "serve",
+        buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("buffer", [sys.executable, "-m", "headrace.deploy.cli", "buffer", "serve",
                                                    "--host", host, "--port", str(run_cfg.buffer.port),
                                                    "--db", str(run_cfg.buffer.db or out / "buffer.sqlite"),
                                                    "--capacity", str(cfg.buffer.capacity),
@@ -198,7 +198,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             run_cfg.trainer.sync_address = where[0]["ip"]
         config_file = save_config(run_cfg, out / "config.yaml")
 
-        rollout = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("rollout", [sys.executable, "-m", "deploy.cli", "rollout", "serve",
+        rollout = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("rollout", [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve",
                                                      "--config", str(config_file)], {}, logs, False)
         actors.append(rollout)
         _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)
@@ -212,7 +212,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
                    "MASTER_PORT": master_port, "OMP_NUM_THREADS": str(cfg.trainer.threads or 1)}
             t = Service.options(num_cpus=0, num_gpus=share,
                                 scheduling_strategy=on(rank)).remote(
-                f"trainer{rank}", [sys.executable, "-m", "deploy.cli", "train", "--config", str(config_file),
+                f"trainer{rank}", [sys.executable, "-m", "headrace.deploy.cli", "train", "--config", str(config_file),
                                    "--rollout-url", run_cfg.rollout.url], env, logs)
             trainers.append(t)
             actors.append(t)

@@ -98,7 +98,7 @@ def wait_http(url: str, timeout_s: float, dead: Callable[[], str | None], *, ok:
 
 def headrace_argv(*args: str) -> list[str]:
     """``headrace ARGS`` run by this interpreter (works without the console script on PATH)."""
-    return [sys.executable, "-m", "deploy.cli", *args]
+    return [sys.executable, "-m", "headrace.deploy.cli", *args]
 
 
 @dataclass

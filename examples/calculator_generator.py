@@ -17,8 +17,8 @@ import operator
 import re
 from typing import Any
 
-from rollout.generate import RolloutContext, append_tokens, append_turn
-from shared.schemas import Sample, SampleStatus
+from headrace.rollout.generate import RolloutContext, append_tokens, append_turn
+from headrace.shared.schemas import Sample, SampleStatus
 
 MAX_TOOL_CALLS = 4
 CALL = re.compile(r"<calc>(.*?)(?:</calc>)?\s*$", re.S)

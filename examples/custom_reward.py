@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-from rollout.generate import RolloutContext
-from shared.schemas import Sample
+from headrace.rollout.generate import RolloutContext
+from headrace.shared.schemas import Sample
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 PENALTY_PER_TOKEN = 0.001

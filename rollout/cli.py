@@ -20,8 +20,8 @@ def serve(
     import logging
     import os
 
-    from shared.config import ConfigError, load_config
-    from shared.plugins import PluginError
+    from headrace.shared.config import ConfigError, load_config
+    from headrace.shared.plugins import PluginError
 
     logging.basicConfig(level=os.environ.get("HEADRACE_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -30,7 +30,7 @@ def serve(
         cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url})
         import uvicorn
 
-        from rollout.service import create_app
+        from headrace.rollout.service import create_app
 
         app = create_app(cfg)
     except (ConfigError, PluginError, ValueError, OSError) as e:  # DataError is a ValueError

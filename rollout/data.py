@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.config import DataConfig
+from headrace.shared.config import DataConfig
 
 EVAL_SEED_OFFSET = 10_000_000  # reasoning-gym seeds shift item indices: keep eval far from training
 

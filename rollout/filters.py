@@ -14,11 +14,11 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Callable
 
-from shared.plugins import load_plugin
-from shared.schemas import Group
+from headrace.shared.plugins import load_plugin
+from headrace.shared.schemas import Group
 
 if TYPE_CHECKING:
-    from rollout.generate import RolloutContext
+    from headrace.rollout.generate import RolloutContext
 
 FilterFn = Callable[["RolloutContext", Group], bool]
 

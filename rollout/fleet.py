@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 
-from shared.config import EnginesConfig
+from headrace.shared.config import EnginesConfig
 
 log = logging.getLogger("headrace.rollout.fleet")
 
@@ -135,7 +135,7 @@ class Fleet:
     def _command(self, port: int) -> list[str]:
         b = self.cfg.backend
         if b == "reference":
-            cmd = [sys.executable, "-m", "deploy.cli", "engine", "serve", "--model", self.model,
+            cmd = [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", self.model,
                    "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1)]
         elif b == "sglang":
             if not self.cfg.python:

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from rollout.transport import EngineError, Retryable, Transport
-from shared.config import RolloutConfig
-from shared.schemas import Sample, SampleStatus
+from headrace.rollout.transport import EngineError, Retryable, Transport
+from headrace.shared.config import RolloutConfig
+from headrace.shared.schemas import Sample, SampleStatus
 
 __all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn"]
 
 if TYPE_CHECKING:
-    from rollout.fleet import Fleet
-    from rollout.router import Router
+    from headrace.rollout.fleet import Fleet
+    from headrace.rollout.router import Router
 
 GenerateFn = Callable[["RolloutContext", Sample, dict[str, Any]], Awaitable["Sample | list[Sample]"]]
 

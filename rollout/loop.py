@@ -23,14 +23,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from rollout.data import DataSource, PromptItem
-from rollout.filters import FilterFn, apply_filter
-from rollout.generate import EngineClient, GenerateFn, RolloutContext
-from rollout.pusher import Pusher
-from rollout.rewards import RewardFn, score_sample
-from shared.client import AsyncBufferClient
-from shared.config import HeadraceConfig
-from shared.schemas import Group, Sample, SampleStatus
+from headrace.rollout.data import DataSource, PromptItem
+from headrace.rollout.filters import FilterFn, apply_filter
+from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext
+from headrace.rollout.pusher import Pusher
+from headrace.rollout.rewards import RewardFn, score_sample
+from headrace.shared.client import AsyncBufferClient
+from headrace.shared.config import HeadraceConfig
+from headrace.shared.schemas import Group, Sample, SampleStatus
 
 log = logging.getLogger("headrace.rollout")
 
@@ -271,7 +271,7 @@ class RolloutLoop:
     async def evaluate(self, limit: int | None = None) -> dict[str, Any]:
         """One sample per held-out prompt with ``eval_sampling`` (greedy by default), scored; nothing
         is pushed. ``score`` is pass@1 (reward >= 1), ``reward_mean`` the mean reward (failed = 0)."""
-        from rollout.data import load_items
+        from headrace.rollout.data import load_items
 
         items = load_items(self.rc.data, eval=True)[: limit or None]
         if not items:

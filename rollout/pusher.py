@@ -17,8 +17,8 @@ import logging
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.client import AsyncBufferClient, BufferError
-from shared.schemas import Group
+from headrace.shared.client import AsyncBufferClient, BufferError
+from headrace.shared.schemas import Group
 
 log = logging.getLogger("headrace.rollout.push")
 

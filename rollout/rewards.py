@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from shared.plugins import load_plugin
-from shared.schemas import Sample, SampleStatus
+from headrace.shared.plugins import load_plugin
+from headrace.shared.schemas import Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from rollout.generate import RolloutContext
+    from headrace.rollout.generate import RolloutContext
 
 RewardFn = Callable[["RolloutContext", Sample], "Awaitable[float | dict[str, float]] | float | dict[str, float]"]
 

@@ -26,7 +26,7 @@ from urllib.parse import quote
 import httpx
 
 if TYPE_CHECKING:
-    from rollout.fleet import Engine, Fleet
+    from headrace.rollout.fleet import Engine, Fleet
 
 log = logging.getLogger("headrace.rollout.router")
 
@@ -73,7 +73,7 @@ class SGLangRouter:
 
     def __init__(self, fleet: "Fleet", python: str | None, port: int, log_dir: Path,
                  args: list[str] | None = None) -> None:
-        from rollout.fleet import Engine
+        from headrace.rollout.fleet import Engine
 
         self.fleet = fleet
         self.python = python or sys.executable
@@ -87,7 +87,7 @@ class SGLangRouter:
         self.engine.healthy = True
 
     async def start(self) -> None:
-        from rollout.fleet import free_port
+        from headrace.rollout.fleet import free_port
 
         # its Prometheus exporter binds a fixed port (29000) by default: give it a free one. Its own
         # health checks probe liveness only (SGLang's /health blocks and fails while generation is
@@ -150,6 +150,6 @@ class SGLangRouter:
 
     async def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
-            from rollout.fleet import stop_process
+            from headrace.rollout.fleet import stop_process
 
             await asyncio.to_thread(stop_process, self.proc)

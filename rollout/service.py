@@ -31,16 +31,16 @@ import httpx
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.data import DataSource
-from rollout.filters import load_filter
-from rollout.fleet import Fleet, free_port
-from rollout.generate import EngineClient, Gate, single_turn
-from rollout.loop import RolloutLoop, check_generator
-from rollout.rewards import load_reward
-from rollout.router import LeastInFlight, SGLangRouter
-from shared.client import AsyncBufferClient
-from shared.config import HeadraceConfig
-from shared.plugins import load_plugin
+from headrace.rollout.data import DataSource
+from headrace.rollout.filters import load_filter
+from headrace.rollout.fleet import Fleet, free_port
+from headrace.rollout.generate import EngineClient, Gate, single_turn
+from headrace.rollout.loop import RolloutLoop, check_generator
+from headrace.rollout.rewards import load_reward
+from headrace.rollout.router import LeastInFlight, SGLangRouter
+from headrace.shared.client import AsyncBufferClient
+from headrace.shared.config import HeadraceConfig
+from headrace.shared.plugins import load_plugin
 
 log = logging.getLogger("headrace.rollout")
 
@@ -72,7 +72,7 @@ class EvalRequest(_Body):
 
 
 def load_tokenizer(model_dir: str) -> Any:
-    from shared.modelzoo import load_tokenizer as _load
+    from headrace.shared.modelzoo import load_tokenizer as _load
 
     return _load(model_dir)
 

@@ -9,7 +9,7 @@
 #     (flashinfer, deep-ep, flash-attn, ...). We add only the pure-Python packages it imports on the
 #     CPU path, at the versions sglang 0.5.23 pins where it pins one.
 #   - sglang-router 0.3.2 (the router binary; workers are added with POST /workers).
-#   - tests/sglang_cpu: a TEST-ONLY pure-torch stand-in for the kernel package's CPU functions
+#   - tests/sglang/sglang_cpu: a TEST-ONLY pure-torch stand-in for the kernel package's CPU functions
 #     (module `sgl_kernel`); the CPU build of the real package is not on PyPI. Never on GPU machines.
 #
 # Idempotent: a second run with the same recipe reuses the venv (checked by a stamp holding the
@@ -34,7 +34,7 @@ deps=(
   einops interegular xxhash regex packaging numpy scipy pillow watchfiles zstandard distro
   IPython dill gguf jsonschema "python-dateutil<3" tiktoken
 )
-standin="$here/tests/sglang_cpu"
+standin="$here/tests/sglang/sglang_cpu"
 recipe=$(printf '%s\n' "$python" "${torch_pkgs[@]}" "$sglang_pkg" "$router_pkg" "${deps[@]}" \
          | cat - "$standin/pyproject.toml" "$standin/sgl_kernel/__init__.py" | sha256sum | cut -c1-16)
 stamp="$venv/.headrace-sglang-recipe"

@@ -24,8 +24,8 @@ from typing import Any, Iterable
 
 import httpx
 
-from shared import wire
-from shared.schemas import BufferStats, Group, LeaseResponse, PostGroupsResponse, Sample
+from headrace.shared import wire
+from headrace.shared.schemas import BufferStats, Group, LeaseResponse, PostGroupsResponse, Sample
 
 __all__ = ["BufferError", "BufferClient", "AsyncBufferClient"]
 

@@ -301,3 +301,10 @@ def save_config(config: HeadraceConfig, path: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     return p
+
+
+def rollout_mode(cfg: HeadraceConfig) -> Literal["continuous", "on_demand"]:
+    """The rollout mode a run really uses: colocated placement is always ``on_demand`` (the
+    engines must not generate while the trainer holds the devices); otherwise ``rollout.mode``.
+    ``headrace run``, the Ray launcher and the trainer all decide it here."""
+    return "on_demand" if cfg.run.placement == "colocated" else cfg.rollout.mode

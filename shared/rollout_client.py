@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from shared.weight_sync import EngineTarget
+from headrace.shared.weight_sync import EngineTarget
 
 
 class RolloutError(RuntimeError):

@@ -51,7 +51,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from shared.weight_buckets import dtype_name, flatten_bucket, parse_dtype, plan_buckets, unflatten_bucket
+from headrace.shared.weight_buckets import dtype_name, flatten_bucket, parse_dtype, plan_buckets, unflatten_bucket
 
 __all__ = [
     "WeightSyncError", "EngineTarget", "WeightSender", "engines_from_rollout", "join_update_group",

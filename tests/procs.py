@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from deploy.supervisor import child_env as service_env
-from deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
-from deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
-from deploy.supervisor import wait_http
+from headrace.deploy.supervisor import child_env as service_env
+from headrace.deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
+from headrace.deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
+from headrace.deploy.supervisor import wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from shared.schemas import Group
+from headrace.shared.schemas import Group
 
 
 class BadBatchError(ValueError):

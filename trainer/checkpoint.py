@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.step import TrainerState
+from headrace.trainer.step import TrainerState
 
 
 def _barrier() -> None:
@@ -135,7 +135,7 @@ def export_hf(st: TrainerState, out_dir: str | Path, source_dir: str | Path) -> 
 
     Collective over all ranks (``trainer.hf_io.save_hf``: DP rank 0's TP group gathers, rank 0 writes).
     """
-    from trainer.hf_io import save_hf
+    from headrace.trainer.hf_io import save_hf
 
     out = Path(out_dir)
     save_hf(st.model, out, source_dir)

@@ -19,7 +19,7 @@ def train(
     import sys
     from pathlib import Path
 
-    from shared.config import ConfigError, load_config, save_config
+    from headrace.shared.config import ConfigError, load_config, save_config
 
     try:
         cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": rollout_url})
@@ -30,8 +30,8 @@ def train(
     world = t.tp * t.dp
     threads = t.threads or max(1, (os.cpu_count() or 1) // world)
     save_config(cfg, Path(cfg.run.out) / "trainer_config.yaml")
-    from trainer.launch import spawn
-    from trainer.loop import run_training_from_dict
+    from headrace.trainer.launch import spawn
+    from headrace.trainer.loop import run_training_from_dict
 
     mode = f"rollout at {rollout_url}" if rollout_url else "train-only (no rollout URL)"
     typer.echo(f"headrace train: {world} rank(s) (tp={t.tp} dp={t.dp}, {threads} thread(s) each), "
@@ -68,7 +68,7 @@ def logprobs(
     output: str = typer.Option(..., "--output", help='jsonl with {"logprobs": [...]} per line'),
 ) -> None:
     """Per-token log-probabilities from the trainer's model at TP=N."""
-    from trainer.logprobs_tool import run as run_logprobs
+    from headrace.trainer.logprobs_tool import run as run_logprobs
 
     try:
         n = run_logprobs(model, tp, input, output)

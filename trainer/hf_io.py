@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.model import TPDecoder
+from headrace.trainer.model import TPDecoder
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -30,7 +30,7 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 def _source_dtypes(source_dir: Path) -> dict[str, torch.dtype]:
     from safetensors import safe_open
 
-    from trainer.model.loading import checkpoint_index
+    from headrace.trainer.model.loading import checkpoint_index
 
     dtypes: dict[str, torch.dtype] = {}
     by_file: dict[Path, list[str]] = {}

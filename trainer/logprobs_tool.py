@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shared.hf_arch import ArchConfig
-from trainer.model.support import check_tp_compatible
+from headrace.shared.hf_arch import ArchConfig
+from headrace.trainer.model.support import check_tp_compatible
 
 
 def read_token_lines(path: str | Path, vocab_size: int) -> list[list[int]]:
@@ -67,8 +67,8 @@ def rank_main(model_dir: str, tp: int, seqs: list[list[int]], max_tokens: int) -
     """One TP rank: load the shard, compute every sequence's logprobs; rank 0 returns them."""
     import torch
 
-    from trainer.model import load_model
-    from trainer.parallel import destroy_distributed, init_distributed
+    from headrace.trainer.model import load_model
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
 
     info = init_distributed(tp, backend="gloo")     # an fp32 CPU reference, even on a GPU machine
     try:
@@ -92,7 +92,7 @@ def rank_main(model_dir: str, tp: int, seqs: list[list[int]], max_tokens: int) -
 def run(model_dir: str | Path, tp: int, input_path: str | Path, output_path: str | Path,
         max_tokens: int = 4096, timeout_s: float = 3600) -> int:
     """Validate, compute at TP=``tp`` in ``tp`` processes, write the output; returns the line count."""
-    from trainer.launch import spawn
+    from headrace.trainer.launch import spawn
 
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")

@@ -47,12 +47,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from shared.config import HeadraceConfig
-from trainer.batch import BadBatchError, TrainBatch, build_batch
-from trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from trainer.metrics import MetricsWriter
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.step import TrainerState, train_step
+from headrace.shared.config import HeadraceConfig
+from headrace.trainer.batch import BadBatchError, TrainBatch, build_batch
+from headrace.trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
+from headrace.trainer.metrics import MetricsWriter
+from headrace.trainer.optim import build_optimizer, build_scheduler
+from headrace.trainer.step import TrainerState, train_step
 
 log = logging.getLogger("headrace.trainer")
 
@@ -137,7 +137,7 @@ class LeaseSource:
         self.client = None
         self.min_version = 0      # leases take no group older than policy_version - max_staleness
         if rank == 0:
-            from shared.client import BufferClient
+            from headrace.shared.client import BufferClient
 
             self.client = BufferClient(buffer_url, token=cfg.buffer.token)
 
@@ -208,7 +208,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
     """Model (+ frozen reference when kl_coef > 0), optimizer and schedule for this rank."""
-    from trainer.model import load_model
+    from headrace.trainer.model import load_model
 
     t = cfg.trainer
     torch.manual_seed(t.seed)
@@ -231,10 +231,10 @@ def _make_hook(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> Weigh
     if not spec:
         if rollout_url is None:
             return NoWeightSync()
-        from trainer.sync import EngineSync
+        from headrace.trainer.sync import EngineSync
 
         return EngineSync(cfg, info, rollout_url)
-    from shared.plugins import load_plugin
+    from headrace.shared.plugins import load_plugin
 
     return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
 
@@ -246,7 +246,7 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
     Expects the torchrun-style environment (``trainer.launch.spawn`` sets it). Returns a summary
     (steps done, policy version, last metrics) on every rank.
     """
-    from trainer.parallel import destroy_distributed, init_distributed
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
 
     t = cfg.trainer
     if t.threads:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from shared.config import TrainerConfig
+from headrace.shared.config import TrainerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainerConfig) -> torch.optim.Optimizer:
@@ -105,7 +105,7 @@ def tp_sharded(model: nn.Module) -> set[int]:
     when it initialises the weights itself).
     """
     try:
-        from trainer.model.loading import param_specs
+        from headrace.trainer.model.loading import param_specs
 
         specs = param_specs(model)  # type: ignore[arg-type]
     except Exception:  # not our TPDecoder (tests, other models): fall back to the attribute

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shared.config import TrainerConfig
-from trainer.batch import MicroBatch, TrainBatch, pack, shard_for_dp
-from trainer.loss import (aggregation_weights, gspo_terms, kl_penalty, ppo_clip_terms, ragged_group_advantages,
+from headrace.shared.config import TrainerConfig
+from headrace.trainer.batch import MicroBatch, TrainBatch, pack, shard_for_dp
+from headrace.trainer.loss import (aggregation_weights, gspo_terms, kl_penalty, ppo_clip_terms, ragged_group_advantages,
                           tis_weights)
-from trainer.optim import allreduce_grads, clip_grad_norm
+from headrace.trainer.optim import allreduce_grads, clip_grad_norm
 
 # algorithm -> (advantage estimator, std normalisation, loss kind)
 ALGORITHMS: dict[str, tuple[str, bool, str]] = {

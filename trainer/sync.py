@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from shared.config import HeadraceConfig
+from headrace.shared.config import HeadraceConfig
 
 log = logging.getLogger("headrace.trainer.sync")
 
@@ -39,7 +39,7 @@ class EngineSync:
         self.rollout = None
         self.sender = None
         if self.rank0:
-            from shared.rollout_client import RolloutClient
+            from headrace.shared.rollout_client import RolloutClient
 
             self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s))
         self.released = False
@@ -124,7 +124,7 @@ class EngineSync:
     def _connect(self) -> Any:
         import torch
 
-        from shared.weight_sync import WeightSender
+        from headrace.shared.weight_sync import WeightSender
 
         t = self.cfg.trainer
         engines = self.rollout.engines()
@@ -150,7 +150,7 @@ class EngineSync:
 def build(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> Any:
     """``trainer.weight_sync_hook`` factory: EngineSync with a rollout URL, else no sync."""
     if rollout_url is None:
-        from trainer.loop import NoWeightSync
+        from headrace.trainer.loop import NoWeightSync
 
         return NoWeightSync()
     return EngineSync(cfg, info, rollout_url)

@@ -37,7 +37,7 @@ def serve(
         raise typer.BadParameter("must be temperature, original or processed", param_hint="--logprob-mode")
     if dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise typer.BadParameter("must be auto, float32, bfloat16 or float16", param_hint="--dtype")
-    from rollout.engine.server import serve as run
+    from headrace.rollout.engine.server import serve as run
 
     run(model, host=host, port=port, threads=threads, log_level=log_level, dtype=dtype, seed=seed,
         max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,

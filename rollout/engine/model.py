@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from headrace.shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

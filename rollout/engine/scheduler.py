@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import torch
 
-from rollout.engine.model import DecoderModel, KVCache
-from rollout.engine.sampling import BatchSampler, SamplingParams
-from rollout.engine.text import TextCodec
+from headrace.rollout.engine.model import DecoderModel, KVCache
+from headrace.rollout.engine.sampling import BatchSampler, SamplingParams
+from headrace.rollout.engine.text import TextCodec
 
 log = logging.getLogger("headrace.engine")
 

@@ -36,11 +36,11 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from rollout.engine.model import DecoderModel, resolve_dtype
-from rollout.engine.sampling import parse_sampling_params
-from rollout.engine.scheduler import Scheduler, Seq
-from rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
-from rollout.engine.updates import WeightUpdates, json_response
+from headrace.rollout.engine.model import DecoderModel, resolve_dtype
+from headrace.rollout.engine.sampling import parse_sampling_params
+from headrace.rollout.engine.scheduler import Scheduler, Seq
+from headrace.rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
+from headrace.rollout.engine.updates import WeightUpdates, json_response
 
 log = logging.getLogger("headrace.engine")
 VERSION = "0.5.23-headrace-reference"

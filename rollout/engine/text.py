@@ -24,7 +24,7 @@ def load_tokenizer_or_none(model_dir: str | Path) -> Any:
     if not (d / "tokenizer.json").is_file():
         return None
     try:
-        from shared.modelzoo import load_tokenizer
+        from headrace.shared.modelzoo import load_tokenizer
     except ImportError:  # the model zoo is optional for the engine
         from transformers import PreTrainedTokenizerFast
 

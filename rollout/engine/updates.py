@@ -30,10 +30,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from rollout.engine.model import DecoderModel, iter_safetensors
+from headrace.rollout.engine.model import DecoderModel, iter_safetensors
 
 if TYPE_CHECKING:
-    from rollout.engine.server import Engine
+    from headrace.rollout.engine.server import Engine
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -105,7 +105,7 @@ class WeightUpdates:
         if not 1 <= rank_offset < world_size:
             return _answer(False, f"rank_offset {rank_offset} must be in [1, world_size={world_size})")
         try:
-            from rollout.engine.weights import WeightReceiver
+            from headrace.rollout.engine.weights import WeightReceiver
         except ImportError as e:
             return _answer(False, f"weight receiver unavailable (rollout.engine.weights): {e}")
         receiver = WeightReceiver()

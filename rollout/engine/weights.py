@@ -18,7 +18,7 @@ with SGLang 0.5.23's HTTP semantics.
   partial and must push a whole update again).
 - ``add_weight_routes(app, service)`` mounts those endpoints on a FastAPI app (the reference
   engine's, or the standalone receiver below); blocking work runs off the event loop.
-- ``python -m rollout.engine.weights --port P`` serves a standalone receiver holding a plain dict of
+- ``python -m headrace.rollout.engine.weights --port P`` serves a standalone receiver holding a plain dict of
   tensors (used by tests and bench/weight_sync_bench.py): the weight endpoints plus
   ``/get_model_info``, ``/health`` and ``GET /weights_digest`` (sha256 of each tensor's bytes).
 """
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from shared.weight_sync import FLATTENED, destroy_update_group, join_update_group, parse_dtype, unflatten_bucket
+from headrace.shared.weight_sync import FLATTENED, destroy_update_group, join_update_group, parse_dtype, unflatten_bucket
 
 __all__ = ["WeightReceiver", "WeightUpdateService", "add_weight_routes", "make_receiver_app"]
 

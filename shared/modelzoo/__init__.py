@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.modelzoo.presets import PRESETS
-from shared.modelzoo.tokenizer import load_tokenizer
+from headrace.shared.modelzoo.presets import PRESETS
+from headrace.shared.modelzoo.tokenizer import load_tokenizer
 
 SMOLLM2 = "smollm2-135m"
 
@@ -54,9 +54,9 @@ def init_model(preset: str, out: str | Path, seed: int = 0) -> Path:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
     if preset == SMOLLM2:
-        from shared.modelzoo.smollm2 import write_smollm2
+        from headrace.shared.modelzoo.smollm2 import write_smollm2
 
         return write_smollm2(out)
-    from shared.modelzoo.presets import write_random_model
+    from headrace.shared.modelzoo.presets import write_random_model
 
     return write_random_model(preset, out, seed)

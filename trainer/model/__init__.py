@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
     import torch
 
-    from trainer.model.decoder import TPDecoder
-    from trainer.model.logprobs import vocab_parallel_logprobs
-    from trainer.parallel import ParallelInfo
+    from headrace.trainer.model.decoder import TPDecoder
+    from headrace.trainer.model.logprobs import vocab_parallel_logprobs
+    from headrace.trainer.parallel import ParallelInfo
 
 __all__ = ["load_model", "TPDecoder", "vocab_parallel_logprobs"]
 
@@ -34,9 +34,9 @@ def load_model(model_dir: "str | Path", info: "ParallelInfo", dtype: "torch.dtyp
     """
     import torch
 
-    from shared.hf_arch import ArchConfig
-    from trainer.model.decoder import TPDecoder
-    from trainer.model.loading import load_shards
+    from headrace.shared.hf_arch import ArchConfig
+    from headrace.trainer.model.decoder import TPDecoder
+    from headrace.trainer.model.loading import load_shards
 
     arch = ArchConfig.from_model_dir(model_dir)
     model = TPDecoder(arch, info, dtype or torch.float32)
@@ -51,7 +51,7 @@ def mark_tp_params(model: "TPDecoder") -> None:
     such as ``param_is_not_tensor_parallel_duplicate`` count replicated parameters once."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    from trainer.model.loading import param_specs
+    from headrace.trainer.model.loading import param_specs
 
     params = dict(model.named_parameters())
     for name, spec in param_specs(model).items():
@@ -67,11 +67,11 @@ def mark_tp_params(model: "TPDecoder") -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "TPDecoder":
-        from trainer.model.decoder import TPDecoder
+        from headrace.trainer.model.decoder import TPDecoder
 
         return TPDecoder
     if name == "vocab_parallel_logprobs":
-        from trainer.model.logprobs import vocab_parallel_logprobs
+        from headrace.trainer.model.logprobs import vocab_parallel_logprobs
 
         return vocab_parallel_logprobs
-    raise AttributeError(f"module 'trainer.model' has no attribute {name!r}")
+    raise AttributeError(f"module 'headrace.trainer.model' has no attribute {name!r}")

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from trainer.model.support import padded_dims
+from headrace.trainer.model.support import padded_dims
 
 if TYPE_CHECKING:
-    from trainer.model.decoder import TPDecoder
+    from headrace.trainer.model.decoder import TPDecoder
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.hf_arch import ArchConfig
+from headrace.shared.hf_arch import ArchConfig
 
 
 def check_tp_compatible(arch: ArchConfig, tp: int) -> None:

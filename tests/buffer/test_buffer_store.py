@@ -1,0 +1,115 @@
+"""The buffer's store and rules in-process (real SQLite files): restart, leases, staleness, capacity.
+
+The HTTP tests prove the service end to end; these pin the store's semantics directly, with an
+explicit clock instead of sleeps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from headrace.buffer.ingest import parse_groups
+from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, LeaseState, is_stale, lease_transition
+from headrace.buffer.store import GroupRow, Store
+from headrace.shared import wire
+from tests.buffer.test_buffer_api import make_group
+
+
+def row(gid: str, wv: int = 0, n: int = 2) -> GroupRow:
+    return GroupRow(gid, tuple(f"{gid}/{i}" for i in range(n)), wv, msgpack.packb({"group_id": gid}))
+
+
+def test_post_dedupes_by_group_id_and_uid_within_and_across_requests(tmp_path: Path) -> None:
+    s = Store(str(tmp_path / "s.sqlite"), capacity=100, max_staleness=1)
+    res = s.post([row("a"), row("b"), row("a")])
+    assert (res.accepted, res.duplicates) == (2, 1)
+    clash = GroupRow("c", ("b/1",), 0, b"\x80")
+    assert s.post([clash]).duplicates == 1
+    assert s.stats()["queued"] == 2 and s.stats()["duplicates"] == 2
+
+
+def test_restart_requeues_unacked_leases_and_keeps_acks(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sqlite")
+    s = Store(path, capacity=100, max_staleness=1)
+    s.post([row(f"g{i}") for i in range(5)])
+    acked = s.lease(2, 60, None, now=1000.0)
+    open_lease = s.lease(2, 60, None, now=1000.0)
+    assert acked and open_lease
+    assert s.ack(acked.lease_id, now=1001.0) == 2
+    s.db.close()  # like a crash: no close(), no final counter save
+    s = Store(path, capacity=100, max_staleness=1)
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["consumed"]) == (3, 0, 2)
+    with pytest.raises(LeaseConflict):
+        s.ack(open_lease.lease_id, now=1002.0)
+    again = s.lease(3, 60, None, now=1003.0)
+    assert again is not None
+    assert [msgpack.unpackb(b)["group_id"] for b in again.blobs] == ["g2", "g3", "g4"]  # FIFO by first arrival
+
+
+def test_expiry_by_clock_and_lease_state_machine(tmp_path: Path) -> None:
+    s = Store(None, capacity=10, max_staleness=1)
+    s.post([row("a"), row("b")])
+    lease = s.lease(2, 5.0, None, now=100.0)
+    assert lease is not None and s.lease(1, 5.0, None, now=101.0) is None
+    assert s.next_expiry() == 105.0
+    assert s.expire(now=104.0) == 0
+    with pytest.raises(LeaseConflict):
+        s.ack(lease.lease_id, now=106.0)
+    assert s.stats()["queued"] == 2 and s.stats()["leased"] == 0
+    with pytest.raises(LeaseNotFound):
+        s.release("nope")
+    assert lease_transition(LeaseState.active, "ack", False) == (True, LeaseState.acked)
+    assert lease_transition(LeaseState.acked, "ack", True) == (False, LeaseState.acked)
+    with pytest.raises(LeaseConflict):
+        lease_transition(LeaseState.released, "ack", False)
+
+
+def test_min_weight_version_staleness_and_capacity() -> None:
+    s = Store(None, capacity=3, max_staleness=2)
+    s.post([row("v0", 0), row("v3", 3), row("v5", 5)])
+    assert s.lease(2, 10, 3) is not None  # v3 and v5
+    with pytest.raises(BufferFull) as e:
+        s.post([row("x", 5)])
+    assert e.value.retry_after_s >= 1 and s.stats()["throttled"] == 1
+    assert s.post([row("v0", 0)]).duplicates == 1  # duplicates never count against capacity
+    assert s.set_policy_version(3) == 1  # 0 < 3 - 2: v0 evicted; leased groups are left alone
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["evicted_stale"], st["policy_version"]) == (0, 2, 1, 3)
+    assert s.post([row("late", 0)]).evicted_stale == 1
+    assert is_stale(0, 3, 2) and not is_stale(1, 3, 2)
+
+
+def test_ingest_msgpack_blobs_are_the_client_bytes_and_json_is_packed() -> None:
+    groups = [make_group("i0"), make_group("i1", n=3)]
+    body = msgpack.packb({"groups": groups})
+    rows = parse_groups(body, "application/msgpack")
+    assert [r.group_id for r in rows] == ["i0", "i1"] and rows[1].uids == ("i1/0", "i1/1", "i1/2")
+    assert b"".join(r.blob for r in rows) in body  # sliced, not re-encoded
+    jrows = parse_groups(wire.dumps_json({"groups": groups}), "application/json")
+    assert [msgpack.unpackb(r.blob) for r in jrows] == groups
+    assert rows[0].weight_version == 0
+    with pytest.raises(wire.WireError) as e:
+        parse_groups(msgpack.packb({"groups": groups, "extra": 1}), "application/msgpack")
+    assert "extra" in e.value.message and e.value.groups == 2  # type: ignore[attr-defined]
+
+
+def test_payloads_of_consumed_and_evicted_groups_are_purged(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.sqlite")
+    s = Store(path, capacity=100, max_staleness=0)
+    s.post([row("a", 1), row("b", 1), row("c", 0)])
+    lease = s.lease(1, 60, 1)
+    assert lease is not None
+    s.ack(lease.lease_id)
+    assert s.set_policy_version(1) == 1  # c evicted
+    blobs = lambda: s.db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]  # noqa: E731
+    assert blobs() == 3 and s.to_purge  # ack and eviction leave the payload for later
+    s.db.close()
+    s = Store(path, capacity=100, max_staleness=0)  # the purge queue survives a crash
+    assert s.to_purge and s.purge(1) == 1 and s.purge(10) == 1 and s.purge(10) == 0
+    assert blobs() == 1 and not s.to_purge
+    got = s.lease(1, 60, None)
+    assert got is not None and msgpack.unpackb(got.blobs[0])["group_id"] == "b"

@@ -1,0 +1,52 @@
+"""The command line: `headrace --help` answers without importing torch; `headrace buffer serve`
+parses its flags (DESIGN.md "Command line") and refuses bad ones with a clear message."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.procs import REPO, child_env, headrace_cmd
+
+HEAVY = ("torch", "transformers", "megatron", "sglang")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(args), cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=120)
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+@pytest.mark.parametrize("args", [["--help"], ["buffer", "serve", "--help"], ["train", "--help"],
+                                  ["rollout", "serve", "--help"], ["run", "--help"]])
+def test_help_does_not_import_heavy_modules(args: list[str]) -> None:
+    p = run(sys.executable, "-X", "importtime", "-m", "headrace.deploy.cli", *args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "Usage" in p.stdout
+    mods = imported_modules(p.stderr)
+    assert "typer" in mods  # the import log was read
+    heavy = sorted(m for m in mods if m.split(".")[0] in HEAVY)
+    assert not heavy, f"`headrace {' '.join(args)}` imported {heavy[:10]}"
+
+
+def test_buffer_serve_help_lists_the_design_flags() -> None:
+    p = run(*headrace_cmd("buffer", "serve", "--help"), env=child_env(COLUMNS="200"))
+    for flag in ("--host", "--port", "--db", "--memory", "--capacity", "--max-staleness", "--token", "--max-body-mb"):
+        assert flag in p.stdout, flag
+
+
+def test_buffer_serve_refuses_bad_flags_and_config() -> None:
+    p = run(*headrace_cmd("buffer", "serve", "--db", "x.sqlite", "--memory"))
+    assert p.returncode != 0 and "either --db PATH or --memory" in p.stderr
+    p = run(*headrace_cmd("buffer", "serve", "--capacity", "0"))
+    assert p.returncode != 0 and "capacity" in p.stderr
+    p = run(*headrace_cmd("buffer", "serve", "--memory"), env=child_env(HEADRACE_BUFFER__MAX_STALENESS="-4"))
+    assert p.returncode == 2 and "buffer.max_staleness" in p.stderr

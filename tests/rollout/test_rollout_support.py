@@ -1,0 +1,124 @@
+"""Helpers for the rollout integration tests (no tests here): a tiny model, prompt files, and a
+stack of real processes on loopback — ``headrace buffer serve`` and ``headrace rollout serve``,
+which itself launches ``headrace engine serve`` processes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import pytest
+import yaml
+
+from headrace.shared.client import BufferClient
+from headrace.shared.schemas import Group
+from tests.procs import Proc, child_env, free_port, headrace_cmd
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from headrace.shared.modelzoo import init_model
+
+    return init_model("tiny-qwen2", tmp_path_factory.mktemp("model") / "tiny-qwen2")
+
+
+def write_prompts(path: Path, n: int, label: Callable[[int], Any] = str) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": label(i)}) + "\n" for i in range(n)))
+    return path
+
+
+class Stack:
+    """A buffer and a rollout service (with its engines) as child processes; ``stop`` ends them by pid."""
+
+    def __init__(self, tmp: Path, model: Path, rollout: dict[str, Any], max_staleness: int = 1) -> None:
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.buffer_port = free_port()
+        self.rollout_port = free_port()
+        self.buffer_url = f"http://127.0.0.1:{self.buffer_port}"
+        self.url = f"http://127.0.0.1:{self.rollout_port}"
+        rollout = {"state_path": str(tmp / "rollout_state.json"), **rollout}
+        rollout.setdefault("engines", {"backend": "reference", "count": 1, "base_port": free_port()})
+        self.config = tmp / "run.yaml"
+        self.config.write_text(yaml.safe_dump({
+            "model": str(model), "buffer": {"url": self.buffer_url, "max_staleness": max_staleness},
+            "rollout": rollout, "run": {"out": str(tmp / "run")}}))
+        self.buffer: Proc | None = None
+        self.rollout: Proc | None = None
+        self.starts = 0
+
+    def start_buffer(self) -> None:
+        self.buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(self.buffer_port), "--db",
+                                        str(self.tmp / "buffer.sqlite")), self.tmp / "buffer.log")
+        self.buffer.wait_http(f"{self.buffer_url}/health", timeout=60)
+
+    def start_rollout(self) -> None:
+        self.starts += 1
+        self.rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(self.config), "--port",
+                                         str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log",
+                            env=child_env(HEADRACE_LOG_LEVEL="INFO"))
+        self.rollout.wait_http(f"{self.url}/health", timeout=240)
+
+    def start(self) -> "Stack":
+        self.start_buffer()
+        self.start_rollout()
+        return self
+
+    def get(self, path: str) -> Any:
+        r = httpx.get(f"{self.url}{path}", timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/v1/status")
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 180, what: str = "") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        st: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            assert self.rollout is not None and self.rollout.alive(), self.rollout.log()[-4000:] if self.rollout else ""
+            st = self.status()
+            if pred(st):
+                return st
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; last status {json.dumps(st)[:3000]}\n"
+                             f"{self.rollout.log()[-3000:] if self.rollout else ''}")
+
+    def buffer_stats(self) -> dict[str, Any]:
+        with BufferClient(self.buffer_url) as c:
+            return c.stats().model_dump()
+
+    def lease_all(self) -> list[Group]:
+        with BufferClient(self.buffer_url) as c:
+            n = c.stats().queued
+            if n == 0:
+                return []
+            lease = c.lease(n, wait_s=0)
+            assert lease is not None
+            c.ack(lease.lease_id)
+            return lease.groups
+
+    def stop(self) -> None:
+        for p in (self.rollout, self.buffer):
+            if p is not None:
+                p.stop()
+
+
+@pytest.fixture
+def stacks(tmp_path: Path):
+    made: list[Stack] = []
+
+    def make(model: Path, rollout: dict[str, Any], **kw: Any) -> Stack:
+        s = Stack(tmp_path / f"s{len(made)}", model, rollout, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()

@@ -1,0 +1,153 @@
+"""rollout.transport: concurrent sequences coalesced into batch /generate requests, on loopback.
+
+Against a real reference engine (``headrace engine serve``): answers go back to the right caller,
+batches form, a sequence the engine refuses (a token outside the vocabulary) fails only its own
+caller, and ``n`` != 1 is refused before anything is sent. Against small stand-in servers (real
+uvicorn processes): a 5xx, a batch answer of the wrong length and a dead port reach every caller of
+the batch as the error a single request would have given; a server that refuses batches is sent
+one sequence per request from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from headrace.rollout.transport import EngineError, Retryable, Transport
+from tests.procs import Proc, child_env, free_port, reference_engine
+
+
+@pytest.fixture(scope="module")
+def engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from headrace.shared.modelzoo import init_model
+
+    model = init_model("tiny-qwen2", tmp_path_factory.mktemp("models") / "tiny-qwen2")
+    with reference_engine(model, tmp_path_factory.mktemp("logs") / "engine.log") as (url, _):
+        yield url
+
+
+def _run(coro_fn: Any, *args: Any) -> Any:
+    async def main() -> Any:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return await coro_fn(http, *args)
+    return asyncio.run(main())
+
+
+def _params(k: int) -> dict[str, Any]:
+    return {"max_new_tokens": 1 + k % 5, "temperature": 1.0, "ignore_eos": True}
+
+
+def test_concurrent_sequences_travel_as_batches_and_each_caller_gets_its_own_answer(engine_url: str) -> None:
+    async def go(http: httpx.AsyncClient) -> tuple[list[Any], Transport]:
+        t = Transport(http, timeout_s=60, window_s=0.05, max_batch=16)
+        prompts = [[3 + (i * 7 + j) % 150 for j in range(2 + i % 9)] for i in range(40)]
+        outs = await asyncio.gather(*(t.post(engine_url, p, _params(i)) for i, p in enumerate(prompts)))
+        return [(p, o) for p, o in zip(prompts, outs)], t
+
+    pairs, t = _run(go)
+    for i, (p, out) in enumerate(pairs):   # distinct prompt lengths and budgets: a mix-up would show
+        assert out["meta_info"]["prompt_tokens"] == len(p)
+        assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] == _params(i)["max_new_tokens"]
+        assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+    # one batch per sampling params (5 kinds, 8 sequences each), a few more if the window split one
+    assert t.sequences == 40 and t.requests <= 8 and t.refused_batches == 0
+
+
+def test_a_refused_sequence_fails_alone_and_n_above_1_is_refused(engine_url: str) -> None:
+    async def go(http: httpx.AsyncClient) -> tuple[list[Any], Transport]:
+        t = Transport(http, timeout_s=60, window_s=0.05, max_batch=16)
+        calls = [t.post(engine_url, [5, 6, 7], _params(0)) for _ in range(5)]
+        calls.insert(2, t.post(engine_url, [5, 10**7], _params(0)))           # outside the vocabulary
+        calls.append(t.post(engine_url, [8, 9], {"max_new_tokens": 2, "n": 2, "ignore_eos": True}))
+        return await asyncio.gather(*calls, return_exceptions=True), t
+
+    outs, t = _run(go)
+    assert isinstance(outs[2], EngineError) and "400" in str(outs[2])
+    good = outs[:2] + outs[3:6]
+    assert all(isinstance(o, dict) and o["meta_info"]["prompt_tokens"] == 3 for o in good)
+    assert isinstance(outs[6], EngineError) and "n must be 1" in str(outs[6])   # nothing sent
+    # the batch of 6 was refused (400), then resent one by one; the engine still takes batches
+    assert t.requests == 1 + 6 and t.refused_batches == 1 and not t.no_batch
+
+
+FAKE = """
+import sys, uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+app = FastAPI()
+mode = sys.argv[2]
+@app.get("/health")
+async def health():
+    return {}
+@app.post("/generate")
+async def generate(request: Request):
+    body = await request.json()
+    if mode == "500":
+        return JSONResponse({"error": "boom"}, status_code=500)
+    batch = isinstance(body["input_ids"][0], list)
+    one = {"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
+           "output_token_logprobs": [[-0.5, 1, None]]}}
+    if mode == "nobatch":           # takes one sequence per request only
+        return JSONResponse({"error": "input_ids: expected a list of ints"}, status_code=422) if batch else one
+    return [one] * (len(body["input_ids"]) - 1 if batch else 0)          # one answer short
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+"""
+
+
+def _fake(tmp_path: Path, mode: str) -> tuple[str, Proc | None]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if mode == "dead":
+        return url, None
+    script = tmp_path / "fake.py"
+    script.write_text(FAKE)
+    proc = Proc([sys.executable, str(script), str(port), mode], tmp_path / "fake.log", env=child_env())
+    proc.wait_http(f"{url}/health", timeout=60)
+    return url, proc
+
+
+def test_a_server_that_refuses_batches_gets_one_sequence_per_request(tmp_path: Path) -> None:
+    url, proc = _fake(tmp_path, "nobatch")
+    try:
+        async def go(http: httpx.AsyncClient) -> tuple[list[Any], list[Any], Transport]:
+            t = Transport(http, timeout_s=30, window_s=0.05, max_batch=16)
+            first = await asyncio.gather(*(t.post(url, [1, 2], _params(0)) for _ in range(4)))
+            sent = t.requests
+            second = await asyncio.gather(*(t.post(url, [1, 2], _params(0)) for _ in range(4)))
+            return first + second, [sent, t.requests], t
+
+        outs, sent, t = _run(go)
+        assert all(o["output_ids"] == [1] for o in outs)
+        assert sent == [1 + 4, 1 + 4 + 4] and t.refused_batches == 1 and t.no_batch == {url}
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("mode,error", [("500", Retryable), ("short", Retryable), ("dead", httpx.ConnectError)])
+def test_a_failed_batch_reaches_every_caller_as_the_single_request_error(tmp_path: Path, mode: str, error: type) -> None:
+    url, proc = _fake(tmp_path, mode)
+    try:
+        async def go(http: httpx.AsyncClient) -> list[Any]:
+            t = Transport(http, timeout_s=30, window_s=0.05, max_batch=16)
+            return await asyncio.gather(*(t.post(url, [1, 2], _params(i)) for i in range(4)), return_exceptions=True)
+
+        outs = _run(go)
+        assert len(outs) == 4 and all(isinstance(o, error) for o in outs), outs
+    finally:
+        if proc is not None:
+            proc.stop()
+
+
+def test_coalescing_off_sends_one_request_per_sequence(engine_url: str) -> None:
+    async def go(http: httpx.AsyncClient) -> Transport:
+        t = Transport(http, timeout_s=60, window_s=0.0)
+        await asyncio.gather(*(t.post(engine_url, [4, 5, 6], _params(i)) for i in range(5)))
+        return t
+
+    t = _run(go)
+    assert t.requests == t.sequences == 5
