@@ -1,7 +1,8 @@
 """The buffer's rules, as pure functions: staleness, lease states and backpressure hints.
 
 Kept apart from SQL (store.py) and HTTP (app.py) so each rule is stated once:
-- a group is stale when ``weight_version < policy_version - max_staleness`` (strictly less);
+- a group is stale when ``weight_version < policy_version - max_staleness`` (strictly less;
+  ``headrace.shared.staleness`` states it for every service);
 - a lease is active until acked, released or expired; only an active lease may be acked or
   released, except that repeating the same ack (or release) is a no-op answered 200;
 - when full, clients are told to come back after ``retry_after_s`` seconds.
@@ -41,15 +42,6 @@ class BufferFull(RuntimeError):
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-
-
-def stale_cutoff(policy_version: int, max_staleness: int) -> int:
-    """Groups with ``weight_version`` strictly below this are stale."""
-    return policy_version - max_staleness
-
-
-def is_stale(weight_version: int, policy_version: int, max_staleness: int) -> bool:
-    return weight_version < stale_cutoff(policy_version, max_staleness)
 
 
 def retry_after_s(overflow: int, capacity: int) -> int:

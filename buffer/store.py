@@ -29,8 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from headrace.buffer.policy import (BufferFull, GroupState, LeaseNotFound, LeaseState, lease_transition,
-                           retry_after_s, stale_cutoff)
+from headrace.buffer.policy import BufferFull, GroupState, LeaseNotFound, LeaseState, lease_transition, retry_after_s
+from headrace.shared.staleness import stale_cutoff
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS groups (

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from headrace.deploy.plot import plot_metrics, read_metrics
-from headrace.deploy.supervisor import ChildFailed, Supervisor, free_port, headrace_argv, port_free
+from headrace.deploy.supervisor import ChildFailed, Supervisor, headrace_argv
+from headrace.shared.procs import free_port, port_free
 from headrace.shared.config import ConfigError, HeadraceConfig, load_config, save_config
 
 
@@ -98,12 +99,12 @@ def _absolute(cfg: HeadraceConfig) -> HeadraceConfig:
 def _pick_ports(cfg: HeadraceConfig) -> None:
     """Keep the configured ports when free; otherwise take free ones and rewrite the URLs."""
     for section in (cfg.buffer, cfg.rollout):
-        if not port_free(section.host, section.port):
+        if not port_free(section.port, section.host):
             section.port = free_port(section.host)
         section.url = f"http://{section.host}:{section.port}"
     if cfg.rollout.engines.backend in ("reference", "sglang"):
         base = cfg.rollout.engines.base_port
-        if not all(port_free("127.0.0.1", base + i) for i in range(cfg.rollout.engines.count)):
+        if not all(port_free(base + i) for i in range(cfg.rollout.engines.count)):
             cfg.rollout.engines.base_port = free_port()  # the fleet probes upward from here
 
 

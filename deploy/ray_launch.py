@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,15 +33,10 @@ from typing import Any
 
 from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
 from headrace.shared.config import HeadraceConfig, save_config
+from headrace.shared.procs import free_port, stop_group, wait_http
 
 CPUS_PER_BUNDLE = 1
 PG_TIMEOUT_S = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class _Service:
@@ -73,16 +66,7 @@ class _Service:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def stop(self, grace_s: float = 20.0) -> int | None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-            except ProcessLookupError:
-                pass
-        return self.proc.returncode
+        return stop_group(self.proc, grace_s)
 
 
 class _Probe:
@@ -96,8 +80,6 @@ class _Probe:
 
 def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
     import ray
-
-    from headrace.deploy.supervisor import wait_http
 
     def dead() -> str | None:
         code = ray.get(actor.poll.remote())
@@ -160,10 +142,10 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         run_cfg = cfg.model_copy(deep=True)
         run_cfg.run.out = str(out)
         run_cfg.buffer.host = host
-        run_cfg.buffer.port = _free_port()
+        run_cfg.buffer.port = free_port("0.0.0.0")
         run_cfg.buffer.url = f"http://{here if host != '127.0.0.1' else host}:{run_cfg.buffer.port}"
         run_cfg.rollout.host = host
-        run_cfg.rollout.port = _free_port()
+        run_cfg.rollout.port = free_port("0.0.0.0")
         run_cfg.rollout.url = f"http://{here if host != '127.0.0.1' else host}:{run_cfg.rollout.port}"
         if placement == "colocated":
             run_cfg.rollout.mode = "on_demand"
@@ -181,7 +163,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         for e in plan.engines:
             first = e["bundles"][0]
             ip = where[first]["ip"] if host != "127.0.0.1" else host
-            port = _free_port()
+            port = free_port("0.0.0.0")
             gpu_ids = ",".join(g for b in e["bundles"] for g in where[b]["gpus"])
             argv = _engine_argv(cfg, ip, port)
             actor = Service.options(num_cpus=0, num_gpus=share,
@@ -204,7 +186,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)
 
         master = where[0]["ip"] if host != "127.0.0.1" else "127.0.0.1"
-        master_port = str(_free_port())
+        master_port = str(free_port("0.0.0.0"))
         world = plan.trainer["world_size"]
         trainers = []
         for rank in range(world):

@@ -12,30 +12,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, IO, Sequence
+from typing import IO, Sequence
 
-import httpx
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from headrace.shared.procs import child_env, signal_group, wait_http
 
 
 def _start_time(pid: int) -> int | None:
@@ -65,35 +49,6 @@ def descendants(pid: int) -> list[tuple[int, int]]:
                 out.append((k, t))
                 todo.append(k)
     return out
-
-
-def child_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), OMP_WAIT_POLICY="PASSIVE",
-               TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-    env.update(extra or {})
-    return env
-
-
-def wait_http(url: str, timeout_s: float, dead: Callable[[], str | None], *, ok: Sequence[int] = (200,),
-              interval_s: float = 0.2) -> None:
-    """Poll ``url`` until it answers a status in ``ok``.
-
-    ``dead()`` is checked before each try: a message from it means the service can never come up
-    (RuntimeError with that message); after ``timeout_s`` it is a TimeoutError.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        why = dead()
-        if why:
-            raise RuntimeError(why)
-        try:
-            if httpx.get(url, timeout=2.0).status_code in ok:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(interval_s)
-    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f}s")
 
 
 def headrace_argv(*args: str) -> list[str]:
@@ -178,19 +133,13 @@ class Supervisor:
         for stage in (first, [c for c in reversed(self.children) if not c.stop_first]):
             for c in stage:
                 if c.alive():
-                    try:
-                        os.killpg(c.popen.pid, signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
+                    signal_group(c.popen.pid, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
             for c in stage:
                 try:
                     c.popen.wait(max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(c.popen.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    signal_group(c.popen.pid, signal.SIGKILL)
                     c.popen.wait(10)
                 c._log.close()
         for pid, started in spawned:   # what a child started and failed to stop (e.g. engines of a killed rollout)

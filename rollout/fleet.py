@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 import httpx
 
 from headrace.shared.config import EnginesConfig
+from headrace.shared.procs import child_env, free_port, port_free, stop_group
 
 log = logging.getLogger("headrace.rollout.fleet")
 
@@ -71,42 +71,10 @@ class Engine:
                 "pid": self.proc.pid if self.proc else None}
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
 def advertised_host(bind: str, advertise: str | None) -> str:
     """The host name others use to reach a server bound to ``bind`` (URL form: IPv6 in brackets)."""
     host = advertise or (socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind)
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
-    """SIGTERM the process group we started, then SIGKILL; only that group."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 class Fleet:
@@ -149,14 +117,12 @@ class Fleet:
         return cmd + list(self.cfg.args)
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        threads = str(self.cfg.threads or 1)
-        if self.cfg.backend == "reference":
-            env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-        env.update(OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
-        repo = str(Path(__file__).resolve().parents[1])
-        if self.cfg.backend == "reference":
-            env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = child_env(self.cfg.threads or 1)
+        if self.cfg.backend != "reference":   # SGLang sizes its own thread pools: keep what we were given
+            for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+                env.pop(k)
+                if k in os.environ:
+                    env[k] = os.environ[k]
         env.update(self.cfg.env)
         return env
 
@@ -299,7 +265,7 @@ class Fleet:
     async def _restart(self, e: Engine) -> None:
         try:
             if e.proc is not None:
-                await asyncio.to_thread(stop_process, e.proc, 5.0)
+                await asyncio.to_thread(stop_group, e.proc, 5.0)
             e.restarts += 1
             log.warning("engine %d: restart %d", e.index, e.restarts)
             self._launch(e)
@@ -343,5 +309,5 @@ class Fleet:
             self._monitor.cancel()
         for t in list(self._tasks):
             t.cancel()
-        await asyncio.gather(*(asyncio.to_thread(stop_process, e.proc) for e in self.engines if e.proc))
+        await asyncio.gather(*(asyncio.to_thread(stop_group, e.proc) for e in self.engines if e.proc))
         await self.http.aclose()

@@ -31,6 +31,7 @@ from headrace.rollout.rewards import RewardFn, score_sample
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.schemas import Group, Sample, SampleStatus
+from headrace.shared.staleness import admission_cap
 
 log = logging.getLogger("headrace.rollout")
 
@@ -210,7 +211,7 @@ class RolloutLoop:
 
     @property
     def admission_cap(self) -> int:
-        return (self.cfg.buffer.max_staleness + 1) * self.rc.groups_per_step
+        return admission_cap(self.cfg.buffer.max_staleness, self.rc.groups_per_step)
 
     async def poll_stats(self) -> None:
         """Keep ``backlog`` = buffer queued + leased (continuous mode's admission input)."""

@@ -87,7 +87,7 @@ class SGLangRouter:
         self.engine.healthy = True
 
     async def start(self) -> None:
-        from headrace.rollout.fleet import free_port
+        from headrace.shared.procs import free_port
 
         # its Prometheus exporter binds a fixed port (29000) by default: give it a free one. Its own
         # health checks probe liveness only (SGLang's /health blocks and fails while generation is
@@ -150,6 +150,6 @@ class SGLangRouter:
 
     async def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
-            from headrace.rollout.fleet import stop_process
+            from headrace.shared.procs import stop_group
 
-            await asyncio.to_thread(stop_process, self.proc)
+            await asyncio.to_thread(stop_group, self.proc)

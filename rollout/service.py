@@ -33,7 +33,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from headrace.rollout.data import DataSource
 from headrace.rollout.filters import load_filter
-from headrace.rollout.fleet import Fleet, free_port
+from headrace.rollout.fleet import Fleet
+from headrace.shared.procs import free_port
 from headrace.rollout.generate import EngineClient, Gate, single_turn
 from headrace.rollout.loop import RolloutLoop, check_generator
 from headrace.rollout.rewards import load_reward

@@ -14,10 +14,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from headrace.deploy.supervisor import child_env as service_env
-from headrace.deploy.supervisor import free_port  # noqa: F401  (re-exported for tests)
 from headrace.deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
-from headrace.deploy.supervisor import wait_http
+from headrace.shared.procs import child_env as service_env
+from headrace.shared.procs import free_port  # noqa: F401  (re-exported for tests)
+from headrace.shared.procs import signal_group, stop_group, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,23 +67,12 @@ class Proc:
     def kill9(self) -> None:
         """SIGKILL this process (and the process group it leads) without any cleanup."""
         if self.alive():
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_group(self.pid, signal.SIGKILL)
             self.popen.wait(10)
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
-        if self.alive():
-            try:
-                os.killpg(self.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        stop_group(self.popen, timeout)
         self._log.close()
         return self.popen.returncode
 

@@ -23,18 +23,12 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
 from typing import Any, Callable
 
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from headrace.shared.procs import child_env, free_port
 
 
 def _child(rank: int, env: dict[str, str], payload: bytes, results: Any) -> None:
@@ -86,12 +80,11 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     payload = pickle.dumps((fn, args))
-    child_env = {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-                 "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    rank_env = child_env(threads, {"WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(free_port()), **(env or {})})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(r, child_env, payload, results), daemon=False)
+    procs = [ctx.Process(target=_child, args=(r, rank_env, payload, results), daemon=False)
              for r in range(world_size)]
     out: dict[int, Any] = {}
 

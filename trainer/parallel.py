@@ -70,7 +70,7 @@ def init_distributed(tp: int, dp: int = 1, backend: str | None = None, timeout_s
     if tp < 1 or dp < 1:
         raise ValueError(f"tp={tp} and dp={dp} must both be >= 1")
     if "RANK" not in os.environ and tp * dp == 1:
-        from headrace.trainer.launch import free_port
+        from headrace.shared.procs import free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))

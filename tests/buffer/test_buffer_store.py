@@ -12,10 +12,11 @@ import msgpack
 import pytest
 
 from headrace.buffer.ingest import parse_groups
-from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, LeaseState, is_stale, lease_transition
+from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, LeaseState, lease_transition
+from headrace.shared.staleness import is_stale
 from headrace.buffer.store import GroupRow, Store
 from headrace.shared import wire
-from tests.buffer.test_buffer_api import make_group
+from tests.buffer.support import make_group
 
 
 def row(gid: str, wv: int = 0, n: int = 2) -> GroupRow:
