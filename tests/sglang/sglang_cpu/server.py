@@ -116,7 +116,7 @@ class SGLangRouterProc:
 
 def tiny_model(out: Path, preset: str = "tiny-qwen2") -> Path:
     """A small float32 HF model directory (config, safetensors, tokenizer) made offline."""
-    from shared.modelzoo import init_model
+    from headrace.shared.modelzoo import init_model
 
     if not (out / "config.json").exists():
         init_model(preset, out)
