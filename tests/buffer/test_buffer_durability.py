@@ -15,7 +15,7 @@ import httpx
 import orjson
 
 from headrace.shared.schemas import Group
-from tests.buffer.test_buffer_api import lease, make_group, start_buffer, stats
+from tests.buffer.support import lease, make_group, start_buffer, stats
 
 
 def _ack(url: str, lid: str) -> int:

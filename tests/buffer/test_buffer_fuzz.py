@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.buffer.test_buffer_api import make_group, start_buffer, stats
+from tests.buffer.support import make_group, start_buffer, stats
 
 _ids = itertools.count()
 

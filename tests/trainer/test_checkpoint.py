@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headrace.shared.config import TrainerConfig
-from tests.trainer.test_train_step import make_groups
+from tests.trainer.support import make_groups
 from headrace.trainer.launch import spawn
 
 CFG = dict(lr=2e-3, lr_schedule="cosine", warmup_steps=1, steps=5, min_lr=1e-4, ppo_epochs=2, entropy_coef=0.01,

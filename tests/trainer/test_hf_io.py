@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.test_parity import odd_llama, preset_model
+from tests.trainer.support import odd_llama, preset_model
 
 
 def rank_round_trip(tp: int, jobs: list[tuple[str, str]], broken: dict[str, str]) -> dict[str, str]:

@@ -7,7 +7,8 @@ biases and llama3 rope scaling. Reference: ``AutoModelForCausalLM`` on the same 
 one sequence at a time; ours runs the sequences packed into one stream. Tolerance 1e-4 on every
 per-token logprob (the issue's bar) and on the entropy.
 
-The helpers here (model builders, the HF reference) are shared by test_tp_model and test_hf_io.
+The model builders and the packing helper are in tests/trainer/support.py (shared with test_tp_model
+and test_hf_io).
 """
 
 from __future__ import annotations
@@ -20,66 +21,9 @@ from typing import Any
 import pytest
 
 from tests.procs import child_env, headrace_cmd
+from tests.trainer.support import SEQ_LENS, odd_llama, packed, preset_model, token_seqs
 
 TOL = 1e-4
-SEQ_LENS = (7, 1, 12, 5)
-
-
-# ----------------------------------------------------------------------------- model builders
-def perturb(model_dir: Path, seed: int = 1) -> None:
-    """Rewrite model.safetensors with random norms/biases and rescaled matrices (same names/dtypes)."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    sd = load_file(str(path))
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in sd.items():
-        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        if name.endswith("norm.weight"):
-            new = 1.0 + 0.2 * noise
-        elif name.endswith(".bias"):
-            new = 0.1 * noise
-        else:
-            new = t.float() * 2.0 + 0.01 * noise
-        out[name] = new.to(t.dtype).contiguous()
-    save_file(out, str(path), metadata={"format": "pt"})
-
-
-def preset_model(preset: str, out: Path, seed: int = 0) -> Path:
-    """A modelzoo preset with every tensor perturbed."""
-    from headrace.shared.modelzoo import init_model
-
-    d = init_model(preset, out, seed=seed)
-    perturb(Path(d), seed + 1)
-    return Path(d)
-
-
-def odd_llama(out: Path, seed: int = 0) -> Path:
-    """A Llama whose sizes TP=2 does not divide, with attention/MLP biases and llama3 rope."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=301, hidden_size=48, intermediate_size=75, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=3, head_dim=8, attention_bias=True,
-                      mlp_bias=True, tie_word_embeddings=False, max_position_embeddings=256,
-                      rms_norm_eps=1e-5,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 64})
-    model = LlamaForCausalLM(cfg).float()
-    model.save_pretrained(out, safe_serialization=True)
-    perturb(out, seed + 1)
-    return out
-
-
-def token_seqs(vocab: int, lens: tuple[int, ...] = SEQ_LENS, seed: int = 0) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def hf_reference(model_dir: Path, seqs: list[list[int]], temperature: float = 1.0) -> tuple[Any, Any]:
@@ -102,19 +46,6 @@ def hf_reference(model_dir: Path, seqs: list[list[int]], temperature: float = 1.
             lps.append(lp)
             ents.append(-(logp.exp() * logp).sum(-1))
     return torch.cat(lps), torch.cat(ents)
-
-
-def packed(seqs: list[list[int]]) -> tuple[Any, Any, Any, Any, Any]:
-    """input_ids, position_ids, cu_seqlens, targets (next token within the sequence) and its mask."""
-    import torch
-
-    ids = torch.tensor([t for s in seqs for t in s])
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    cu = torch.tensor([0] + torch.tensor([len(s) for s in seqs]).cumsum(0).tolist())
-    targets = torch.tensor([t for s in seqs for t in s[1:] + [s[0]]])
-    mask = torch.ones(len(ids), dtype=torch.bool)
-    mask[cu[1:] - 1] = False
-    return ids, pos, cu, targets, mask
 
 
 # ----------------------------------------------------------------------------- rank functions

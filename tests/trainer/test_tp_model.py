@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.test_parity import odd_llama, packed, preset_model, token_seqs
+from tests.trainer.support import odd_llama, packed, preset_model, token_seqs
 
 TOL = 1e-4
 

@@ -5,15 +5,14 @@ advantages say and skips the update on a non-finite gradient."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from headrace.shared.config import TrainerConfig
-from headrace.shared.schemas import Group, Sample
 from headrace.trainer.launch import spawn
+from tests.trainer.support import make_groups
 
 PRESET = "micro-qwen2"
 
@@ -23,29 +22,6 @@ def model_dir(tmp_path_factory) -> Path:
     from headrace.shared.modelzoo import init_model
 
     return init_model(PRESET, tmp_path_factory.mktemp("model") / PRESET, seed=3)
-
-
-def make_groups(n_groups: int = 4, size: int = 4, seed: int = 0, vocab: int = 512) -> list[dict]:
-    """Groups with varied prompt/response lengths, a failed sample and a tool-masked token."""
-    rng = random.Random(seed)
-    out = []
-    for g in range(n_groups):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 9))]
-        samples = []
-        for i in range(size):
-            n = rng.randrange(2, 9)
-            resp = [rng.randrange(3, vocab) for _ in range(n)]
-            failed = g == 1 and i == 3
-            mask = [1] * n
-            if i == 0:
-                mask[0] = 0
-            samples.append(Sample(uid=f"s{seed}-{g}-{i}", group_id=f"g{seed}-{g}", index=i, tokens=prompt + resp,
-                                  response_length=n, loss_mask=mask,
-                                  rollout_logprobs=[-rng.uniform(4.0, 8.0) for _ in range(n)],
-                                  reward=None if failed else float(rng.random() < 0.5) + 0.1 * i,
-                                  status="failed" if failed else "completed"))
-        out.append(Group(group_id=f"g{seed}-{g}", samples=samples).model_dump())
-    return out
 
 
 def _one_step(model_dir: str, tp: int, dp: int, cfg: dict, groups: list[dict]) -> dict | None:
