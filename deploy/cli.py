@@ -11,7 +11,7 @@ import sys
 import typer
 
 from headrace.buffer.cli import app as buffer_app
-from headrace.deploy.commands import init_model, launch, run
+from headrace.deploy.commands import config, init_model, launch, run
 from headrace.rollout.cli import app as rollout_app
 from headrace.rollout.engine.cli import app as engine_app
 from headrace.trainer.cli import model_app, train
@@ -31,6 +31,7 @@ app.add_typer(model_app, name="model", help="Model tools (parity log-probabiliti
 app.command("run", help="Everything on one machine (the CPU demo with no config).")(run)
 app.command("launch", help="Launch on a Ray cluster (colocated or disaggregated).")(launch)
 app.command("init-model", help="Write a small random HF model + tokenizer, offline.")(init_model)
+app.command("config", help="Every config key documented (--reference), or a run YAML checked (--check FILE).")(config)
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Commands of the deploy layer: ``run``, ``launch``, ``init-model`` (parsing only; lazy imports)."""
+"""Commands of the deploy layer: ``run``, ``launch``, ``init-model``, ``config`` (parsing only; lazy imports)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,11 @@ def launch(
     import json
 
     from headrace.deploy.plan import PlanError, assumed_nodes, make_plan
-    from headrace.shared.config import ConfigError, load_config
+    from headrace.shared.config import ConfigError, check_full_run, load_config
 
     try:
         cfg = load_config(config)
+        check_full_run(cfg)
         if dry_run and assume_gpus is not None:
             plan = make_plan(cfg, placement, assumed_nodes(assume_gpus))  # type: ignore[arg-type]
             typer.echo(json.dumps(plan.to_json(), indent=2))
@@ -68,3 +69,30 @@ def init_model(
         typer.echo(f"headrace init-model: {e}", err=True)
         raise typer.Exit(2)
     typer.echo(f"wrote {preset} ({describe(preset)}) to {path}")
+
+
+def config(
+    reference: bool = typer.Option(False, "--reference", help="print every config key with its description, "
+                                                              "as Markdown (docs/config.md)"),
+    check: Optional[str] = typer.Option(None, help="validate this run YAML (with HEADRACE_* overrides) and print "
+                                                   "it resolved, every key with its value"),
+) -> None:
+    """The configuration: its reference, or one file checked and resolved."""
+    from headrace.shared.config import ConfigError, config_reference, load_config
+
+    if reference == (check is not None):
+        typer.echo("headrace config: give --reference or --check FILE", err=True)
+        raise typer.Exit(2)
+    if reference:
+        typer.echo(config_reference(), nl=False)
+        return
+    import yaml
+
+    try:
+        cfg = load_config(check)
+    except ConfigError as e:
+        typer.echo(f"headrace config: {e}", err=True)
+        raise typer.Exit(2) from None
+    if cfg.buffer.token:
+        cfg.buffer.token = "***"
+    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)

@@ -112,7 +112,7 @@ def demo_config_dict(model: str = "models/tiny-qwen2", out: str = "runs/demo", *
         "trainer": {"lr": 1.0e-4, "grad_clip": 1.0, "algorithm": "grpo", "aggregation": "token_mean",
                     "kl_coef": 0.0, "entropy_coef": 0.0, "weight_decay": 0.0, "steps": steps,
                     "ppo_epochs": 1, "mini_batches": 1, "seed": seed},
-        "run": {"placement": placement, "out": out, "eval_every": eval_every, "warmup_sft_steps": 80},
+        "run": {"placement": placement, "out": out, "eval_every": eval_every},
     }
 
 

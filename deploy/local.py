@@ -13,7 +13,11 @@ evaluation steps, and a step-0 row with the baseline evaluation), ``metrics.png`
 
 Placement: ``run.placement: disaggregated`` runs the rollout in continuous mode (generation ahead
 of training within ``buffer.max_staleness`` versions); ``colocated`` forces ``rollout.mode:
-on_demand`` (generate a batch, release the engines' memory, train, resume memory, sync).
+on_demand`` (generate a batch, release the engines' memory, train, resume memory, sync);
+``shared.config.rollout_mode`` decides.
+
+Every service starts from ``<out>/config.yaml`` (mode 0600: it may hold ``buffer.token``); the
+buffer too (``headrace buffer serve --config``), so every ``buffer.*`` key of the YAML reaches it.
 
 Resume: ``headrace run --resume DIR`` reruns the run in DIR from its last checkpoint: the config is
 DIR/config.yaml, with ``HEADRACE_*`` environment overrides applied on top (e.g.
@@ -44,7 +48,7 @@ from typing import Any
 from headrace.deploy.plot import plot_metrics, read_metrics
 from headrace.deploy.supervisor import ChildFailed, Supervisor, headrace_argv
 from headrace.shared.procs import free_port, port_free
-from headrace.shared.config import ConfigError, HeadraceConfig, load_config, save_config
+from headrace.shared.config import ConfigError, HeadraceConfig, check_full_run, load_config, rollout_mode, save_config
 
 
 DEFAULT_SAVE_EVERY = 10
@@ -86,7 +90,8 @@ def _absolute(cfg: HeadraceConfig) -> HeadraceConfig:
     out = Path(cfg.run.out).resolve()
     d = cfg.model_copy(deep=True)
     d.run.out = str(out)
-    d.buffer.db = str(Path(d.buffer.db).resolve()) if d.buffer.db else str(out / "buffer.sqlite")
+    if not d.buffer.memory:
+        d.buffer.db = str(Path(d.buffer.db).resolve()) if d.buffer.db else str(out / "buffer.sqlite")
     d.trainer.checkpoint_dir = str(Path(d.trainer.checkpoint_dir).resolve()) if d.trainer.checkpoint_dir else str(out / "ckpt")
     d.rollout.state_path = str(Path(d.rollout.state_path).resolve()) if d.rollout.state_path else str(out / "rollout_state.json")
     if Path(d.model).exists():
@@ -106,6 +111,12 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
         base = cfg.rollout.engines.base_port
         if not all(port_free(base + i) for i in range(cfg.rollout.engines.count)):
             cfg.rollout.engines.base_port = free_port()  # the fleet probes upward from here
+
+
+def buffer_argv(config_file: Path) -> list[str]:
+    """The buffer's command: every ``buffer.*`` key (token included) comes from the run's config
+    file, written with mode 0600, so none is lost and no secret shows on a command line."""
+    return headrace_argv("buffer", "serve", "--config", str(config_file))
 
 
 def prepare_model(cfg: HeadraceConfig, demo: bool) -> None:
@@ -218,6 +229,7 @@ def _fresh_out(path: Path) -> Path:
 
 def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     cfg, demo = resolve(config_path, out, resume)
+    check_full_run(cfg)
     if not resume and out is None:      # no --out: never refuse, take the next free directory instead
         fresh = _fresh_out(Path(cfg.run.out))
         if fresh != Path(cfg.run.out):
@@ -226,8 +238,7 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     cfg = _absolute(cfg)
     out_dir = Path(cfg.run.out)
     prepare_model(cfg, demo)
-    if cfg.run.placement == "colocated":
-        cfg.rollout.mode = "on_demand"
+    cfg.rollout.mode = rollout_mode(cfg)
     cfg.trainer.export_hf = True
     if not cfg.trainer.save_every:
         cfg.trainer.save_every = DEFAULT_SAVE_EVERY
@@ -252,9 +263,7 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     code = 0
     with Supervisor(out_dir / "logs") as sup:
         try:
-            buffer = sup.start("buffer", headrace_argv(
-                "buffer", "serve", "--host", cfg.buffer.host, "--port", str(cfg.buffer.port), "--db", str(cfg.buffer.db),
-                "--capacity", str(cfg.buffer.capacity), "--max-staleness", str(cfg.buffer.max_staleness)))
+            buffer = sup.start("buffer", buffer_argv(config_file))
             sup.wait_healthy(buffer, f"{cfg.buffer.url}/health", 60)
             rollout = sup.start("rollout", headrace_argv("rollout", "serve", "--config", str(config_file)))
             sup.wait_healthy(rollout, f"{cfg.rollout.url}/health", cfg.rollout.engines.startup_timeout_s + 60)

@@ -5,7 +5,7 @@ nothing, so ``headrace launch --dry-run`` and the Ray launcher share it. Guarant
 
 - bundles are ordered by node, then GPU id; every bundle is one GPU;
 - colocated: trainer ranks and engines share the same bundles (engine e, TP rank r lives on bundle
-  ``e * engine_tp + r``); disaggregated: trainer bundles come first, rollout bundles after them;
+  ``e * rollout.engines.tp + r``); disaggregated: trainer bundles come first, rollout bundles after them;
 - an engine's TP ranks never span two nodes, trainer world = ``tp x dp`` = ``run.num_gpus.trainer``;
 - anything infeasible raises ``PlanError`` naming the config keys involved, before anything starts.
 """
@@ -60,7 +60,7 @@ def _assign_engines(bundles: list[Bundle], count: int, engine_tp: int) -> list[d
         members = bundles[e * engine_tp:(e + 1) * engine_tp]
         if len({b.node for b in members}) != 1:
             raise PlanError(f"engine {e} would span nodes {sorted({b.node for b in members})}: "
-                            f"run.engine_tp ({engine_tp}) must fit within one node's GPUs")
+                            f"rollout.engines.tp ({engine_tp}) must fit within one node's GPUs")
         for r, b in enumerate(members):
             b.processes.append(f"engine:{e}:tp{r}")
         engines.append({"engine": e, "bundles": [b.index for b in members], "node": members[0].node})
@@ -72,13 +72,13 @@ def make_plan(config: HeadraceConfig, placement: Placement, nodes: list[Node]) -
     if placement not in ("colocated", "disaggregated"):
         raise PlanError(f"--placement must be colocated or disaggregated, not {placement!r}")
     t, r = config.run.num_gpus.trainer, config.run.num_gpus.rollout
-    tp, dp, etp = config.trainer.tp, config.trainer.dp, config.run.engine_tp
+    tp, dp, etp = config.trainer.tp, config.trainer.dp, config.rollout.engines.tp
     if t < 1 or r < 1:
         raise PlanError(f"run.num_gpus.trainer ({t}) and run.num_gpus.rollout ({r}) must both be >= 1 for a GPU launch")
     if tp * dp != t:
         raise PlanError(f"trainer.tp x trainer.dp ({tp} x {dp} = {tp * dp}) must equal run.num_gpus.trainer ({t})")
     if r % etp:
-        raise PlanError(f"run.engine_tp ({etp}) must divide run.num_gpus.rollout ({r})")
+        raise PlanError(f"rollout.engines.tp ({etp}) must divide run.num_gpus.rollout ({r})")
     need = max(t, r) if placement == "colocated" else t + r
     if placement == "colocated" and r > t:
         raise PlanError(f"colocated: run.num_gpus.rollout ({r}) cannot exceed run.num_gpus.trainer ({t}); "

@@ -17,8 +17,8 @@ when the run ends, fails or is interrupted; a placement group Ray cannot reserve
 ``PG_TIMEOUT_S`` naming the bundles and the cluster's resources.
 
 Colocated: trainer ranks and engines share bundles with fractional GPU shares, and the rollout
-runs on demand (the synchronous loop releases engine memory while training). Disaggregated:
-separate bundles and the asynchronous loop. ``out`` must be on storage every node sees.
+runs on demand (the synchronous loop releases engine memory while training; ``rollout_mode``
+decides). Disaggregated: separate bundles and the asynchronous loop. ``out`` must be on storage every node sees.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
-from headrace.shared.config import HeadraceConfig, save_config
+from headrace.shared.config import HeadraceConfig, rollout_mode, save_config
 from headrace.shared.procs import free_port, stop_group, wait_http
 
 CPUS_PER_BUNDLE = 1
@@ -96,7 +96,7 @@ def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
     if eng.backend == "sglang":
         python = eng.python or sys.executable
         return [python, "-m", "sglang.launch_server", "--model-path", cfg.model, "--host", host, "--port", str(port),
-                "--tp-size", str(cfg.run.engine_tp), *eng.args]
+                "--tp-size", str(eng.tp), *eng.args]
     return [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", cfg.model, "--host", host, "--port", str(port), *eng.args]
 
 
@@ -147,15 +147,19 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         run_cfg.rollout.host = host
         run_cfg.rollout.port = free_port("0.0.0.0")
         run_cfg.rollout.url = f"http://{here if host != '127.0.0.1' else host}:{run_cfg.rollout.port}"
-        if placement == "colocated":
-            run_cfg.rollout.mode = "on_demand"
         run_cfg.run.placement = placement
-
-        buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("buffer", [sys.executable, "-m", "headrace.deploy.cli", "buffer", "serve",
-                                                   "--host", host, "--port", str(run_cfg.buffer.port),
-                                                   "--db", str(run_cfg.buffer.db or out / "buffer.sqlite"),
-                                                   "--capacity", str(cfg.buffer.capacity),
-                                                   "--max-staleness", str(cfg.buffer.max_staleness)], {}, logs, False)
+        run_cfg.rollout.mode = rollout_mode(run_cfg)
+        if not run_cfg.buffer.memory:
+            run_cfg.buffer.db = str(run_cfg.buffer.db or out / "buffer.sqlite")
+        if host != "127.0.0.1" and not run_cfg.buffer.token:
+            raise RuntimeError(f"several nodes: the buffer binds {host}, reachable from other hosts, and "
+                               "buffer.token is not set; set HEADRACE_BUFFER__TOKEN (or buffer.token in the YAML)")
+        # the buffer reads every buffer.* key (token included) from the run's config file (mode 0600),
+        # never from its command line; rollout and trainer read the file rewritten below
+        config_file = save_config(run_cfg, out / "config.yaml")
+        buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote(
+            "buffer", [sys.executable, "-m", "headrace.deploy.cli", "buffer", "serve", "--config", str(config_file)],
+            {}, logs, False)
         actors.append(buffer)
         _wait_http(f"{run_cfg.buffer.url}/health", buffer, 120)
 
@@ -175,7 +179,6 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             _wait_http(f"{url}/health", actor, cfg.rollout.engines.startup_timeout_s)
         run_cfg.rollout.engines.backend = "external"
         run_cfg.rollout.engines.urls = [u for u, _ in urls]
-        run_cfg.rollout.engines.tp = cfg.run.engine_tp
         if host != "127.0.0.1":   # engines on other nodes join the weight-sync group at trainer rank 0's node
             run_cfg.trainer.sync_address = where[0]["ip"]
         config_file = save_config(run_cfg, out / "config.yaml")

@@ -1,5 +1,6 @@
 """The command line: `headrace --help` answers without importing torch; `headrace buffer serve`
-parses its flags (DESIGN.md "Command line") and refuses bad ones with a clear message."""
+parses its flags (DESIGN.md "Command line") and refuses bad ones with a clear message; `headrace
+config --reference` prints docs/config.md."""
 
 from __future__ import annotations
 
@@ -26,11 +27,12 @@ def imported_modules(importtime_stderr: str) -> set[str]:
 
 
 @pytest.mark.parametrize("args", [["--help"], ["buffer", "serve", "--help"], ["train", "--help"],
-                                  ["rollout", "serve", "--help"], ["run", "--help"]])
+                                  ["rollout", "serve", "--help"], ["run", "--help"],
+                                  ["config", "--reference"]])
 def test_help_does_not_import_heavy_modules(args: list[str]) -> None:
     p = run(sys.executable, "-X", "importtime", "-m", "headrace.deploy.cli", *args)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "Usage" in p.stdout
+    assert "Usage" in p.stdout or "# Configuration reference" in p.stdout
     mods = imported_modules(p.stderr)
     assert "typer" in mods  # the import log was read
     heavy = sorted(m for m in mods if m.split(".")[0] in HEAVY)
@@ -39,7 +41,8 @@ def test_help_does_not_import_heavy_modules(args: list[str]) -> None:
 
 def test_buffer_serve_help_lists_the_design_flags() -> None:
     p = run(*headrace_cmd("buffer", "serve", "--help"), env=child_env(COLUMNS="200"))
-    for flag in ("--host", "--port", "--db", "--memory", "--capacity", "--max-staleness", "--token", "--max-body-mb"):
+    for flag in ("--config", "--host", "--port", "--db", "--memory", "--capacity", "--max-staleness", "--token-file",
+                 "--max-body-mb", "--insecure"):
         assert flag in p.stdout, flag
 
 
@@ -50,3 +53,33 @@ def test_buffer_serve_refuses_bad_flags_and_config() -> None:
     assert p.returncode != 0 and "capacity" in p.stderr
     p = run(*headrace_cmd("buffer", "serve", "--memory"), env=child_env(HEADRACE_BUFFER__MAX_STALENESS="-4"))
     assert p.returncode == 2 and "buffer.max_staleness" in p.stderr
+    p = run(*headrace_cmd("buffer", "serve", "--host", "0.0.0.0", "--memory"))
+    assert p.returncode == 2 and "without buffer.token" in p.stderr and "--insecure" in p.stderr
+    p = run(*headrace_cmd("buffer", "serve", "--token-file", "/nonexistent/token", "--memory"))
+    assert p.returncode == 2 and "--token-file /nonexistent/token" in p.stderr
+
+
+def test_buffer_serve_config_errors_name_the_key(tmp_path) -> None:
+    conf = tmp_path / "run.yaml"
+    conf.write_text("buffer: {capacity: 0}\n")
+    p = run(*headrace_cmd("buffer", "serve", "--config", str(conf)))
+    assert p.returncode == 2 and "buffer.capacity" in p.stderr and str(conf) in p.stderr
+
+
+def test_config_reference_is_docs_config_md() -> None:
+    p = run(*headrace_cmd("config", "--reference"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == (REPO / "docs" / "config.md").read_text(), \
+        "docs/config.md is stale: run `headrace config --reference > docs/config.md`"
+
+
+def test_config_check_resolves_a_file_and_hides_the_token(tmp_path) -> None:
+    conf = tmp_path / "run.yaml"
+    conf.write_text("buffer: {token: s3cret, capacity: 12}\n")
+    p = run(*headrace_cmd("config", "--check", str(conf)))
+    assert p.returncode == 0, p.stderr
+    assert "capacity: 12" in p.stdout and "s3cret" not in p.stdout
+    conf.write_text("rollout: {engines: {backend: external}}\n")
+    p = run(*headrace_cmd("config", "--check", str(conf)))
+    assert p.returncode == 2 and "rollout.engines.urls" in p.stderr
+    assert run(*headrace_cmd("config")).returncode == 2

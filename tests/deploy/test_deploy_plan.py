@@ -18,8 +18,8 @@ from tests.procs import REPO, child_env
 
 
 def cfg(tp: int, dp: int, trainer: int, rollout: int, engine_tp: int) -> HeadraceConfig:
-    return HeadraceConfig.model_validate({"trainer": {"tp": tp, "dp": dp},
-                                         "run": {"num_gpus": {"trainer": trainer, "rollout": rollout}, "engine_tp": engine_tp}})
+    return HeadraceConfig.model_validate({"trainer": {"tp": tp, "dp": dp}, "rollout": {"engines": {"tp": engine_tp}},
+                                         "run": {"num_gpus": {"trainer": trainer, "rollout": rollout}}})
 
 
 def test_colocated_8_gpus_shares_bundles() -> None:
@@ -47,7 +47,7 @@ def test_bundles_sorted_by_node_and_gpu_and_engines_stay_on_one_node() -> None:
 
 @pytest.mark.parametrize("c, placement, gpus, match", [
     (cfg(1, 1, 4, 4, 1), "colocated", 4, r"trainer.tp x trainer.dp"),
-    (cfg(2, 2, 4, 6, 4), "disaggregated", 16, r"run.engine_tp \(4\) must divide"),
+    (cfg(2, 2, 4, 6, 4), "disaggregated", 16, r"rollout.engines.tp \(4\) must divide"),
     (cfg(2, 2, 4, 4, 1), "disaggregated", 4, r"needs 8 GPUs"),
     (cfg(2, 2, 4, 8, 1), "colocated", 8, r"cannot exceed"),
 ])
@@ -58,8 +58,8 @@ def test_infeasible_requests_fail_with_a_message(c: HeadraceConfig, placement: s
 
 def test_cli_dry_run_prints_json_and_exits_2_when_infeasible(tmp_path: Path) -> None:
     conf = tmp_path / "run.yaml"
-    conf.write_text(yaml.safe_dump({"trainer": {"tp": 2, "dp": 2},
-                                    "run": {"num_gpus": {"trainer": 4, "rollout": 4}, "engine_tp": 1}}))
+    conf.write_text(yaml.safe_dump({"trainer": {"tp": 2, "dp": 2}, "rollout": {"engines": {"tp": 1}},
+                                    "run": {"num_gpus": {"trainer": 4, "rollout": 4}}}))
     base = [sys.executable, "-m", "headrace.deploy.cli", "launch", "--config", str(conf), "--dry-run"]
     ok = subprocess.run(base + ["--placement", "disaggregated", "--assume-gpus", "8"], capture_output=True,
                         text=True, env=child_env(), cwd=REPO, timeout=60)
@@ -121,6 +121,9 @@ def test_compose_services_are_real_headrace_commands() -> None:
     assert params["trainer"]["rollout_url"] == f"http://127.0.0.1:{params['rollout']['port']}"
     for svc in services.values():   # the token reaches every service under the config key buffer.token
         assert "HEADRACE_BUFFER__TOKEN" in svc["environment"]
+        assert ":?" in svc["environment"]["HEADRACE_BUFFER__TOKEN"]   # required: the buffer binds 0.0.0.0
+    # every service reads the mounted YAML, the buffer too (its buffer.* keys are not lost)
+    assert all(params[name]["config"] == "/config/run.yaml" for name in services)
     assert f":{params['buffer']['port']}/health" in " ".join(services["buffer"]["healthcheck"]["test"])
     assert params["buffer"]["db"].startswith("/data/")
     for gpu_service in ("rollout", "trainer"):
@@ -134,5 +137,6 @@ def test_docker_compose_config_accepts_the_file() -> None:
     if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("the docker compose plugin is not installed")
     r = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "--quiet"], capture_output=True,
-                       text=True, env={**child_env(), "HEADRACE_CONFIG": str(COMPOSE)}, timeout=60)
+                       text=True, env={**child_env(), "HEADRACE_CONFIG": str(COMPOSE), "HEADRACE_BUFFER_TOKEN": "t"},
+                       timeout=60)
     assert r.returncode == 0, r.stderr

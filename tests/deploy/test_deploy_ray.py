@@ -38,8 +38,8 @@ def _start_ray(gpus: int, cpus: int = 2) -> None:
 
 
 def cfg(tp: int, dp: int, trainer: int, rollout: int, engine_tp: int) -> HeadraceConfig:
-    return HeadraceConfig.model_validate({"trainer": {"tp": tp, "dp": dp},
-                                         "run": {"num_gpus": {"trainer": trainer, "rollout": rollout}, "engine_tp": engine_tp}})
+    return HeadraceConfig.model_validate({"trainer": {"tp": tp, "dp": dp}, "rollout": {"engines": {"tp": engine_tp}},
+                                         "run": {"num_gpus": {"trainer": trainer, "rollout": rollout}}})
 
 
 def _reserve(plan_bundles: int) -> list[str]:
@@ -110,7 +110,7 @@ def test_infeasible_launch_fails_fast_without_starting_anything(tmp_path: Path, 
         t0 = time.monotonic()
         with pytest.raises(PlanError, match=r"needs 4 GPUs \(trainer 2, rollout 2\) but the cluster has 2"):
             launch_on_ray(c, "disaggregated")
-        with pytest.raises(PlanError, match=r"engine_tp \(2\) must divide run.num_gpus.rollout \(1\)"):
+        with pytest.raises(PlanError, match=r"engines.tp \(2\) must divide run.num_gpus.rollout \(1\)"):
             launch_on_ray(cfg(1, 1, 1, 1, 2), "colocated")
         assert time.monotonic() - t0 < 60   # generous bound: "fast" means no waiting on resources
         # enough GPUs but bundles Ray cannot reserve (4 CPUs per bundle on a 2-CPU cluster): a clear error
@@ -145,7 +145,7 @@ def _run_config(tmp_path: Path, model: Path, placement: str, dp: int) -> Headrac
                     "max_concurrency": 4, "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match"},
         "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 10, "micro_batch_tokens": 256, "dp": dp},
         "run": {"placement": placement, "out": str(tmp_path / "run"), "eval_every": 0,
-                "num_gpus": {"trainer": dp, "rollout": 1}, "engine_tp": 1},
+                "num_gpus": {"trainer": dp, "rollout": 1}},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))

@@ -40,7 +40,6 @@ def write_config(path: Path, model: Path, out: Path, *, placement: str, steps: i
     c = demo_config_dict(model=str(model), out=str(out), steps=steps, eval_every=2, eval_size=16, placement=placement)
     c["rollout"]["groups_per_step"] = GROUPS
     c["rollout"]["n_samples_per_prompt"] = N
-    c["run"]["warmup_sft_steps"] = 0
     c["run"].update(run)
     c["trainer"]["threads"] = 1
     c["trainer"]["save_every"] = 1

@@ -2,7 +2,7 @@
 once straight through and once with the rollout service killed (SIGKILL) and restarted in the
 middle of the run.
 
-    headrace buffer serve  --port PB --db DB --token T
+    headrace buffer serve  --port PB --db DB --token-file F
     headrace engine serve  --model M --port PE
     headrace rollout serve --config C --port PR --buffer-url http://HOST:PB      (C: engines.backend external, urls [engine])
     headrace train         --config C --buffer-url http://HOST:PB --rollout-url http://HOST:PR
@@ -77,7 +77,9 @@ def test_separately_launched_services(tmp_path: Path, restart: bool) -> None:
     rollout_cmd = headrace_cmd("rollout", "serve", "--config", str(config), "--port", str(pr), "--buffer-url", buffer_url)
     procs: list[Proc] = []
     try:
-        buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(pb), "--db", str(db), "--token", TOKEN),
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(pb), "--db", str(db), "--token-file", str(token_file)),
                       logs / "buffer.log", env=child_env())
         engine = Proc(headrace_cmd("engine", "serve", "--model", str(model), "--port", str(pe), "--threads", "1"),
                       logs / "engine.log", env=child_env())
