@@ -1,4 +1,6 @@
-"""Shared pytest setup: markers for GPU / SGLang tiers, thread limits, process fixtures."""
+"""Shared pytest setup: markers for GPU / SGLang tiers, thread limits, and the fixtures tests in
+several folders use (``tiny_model``). A folder's own fixtures are in its conftest.py; plain helpers in
+tests/procs.py and each folder's support.py."""
 
 from __future__ import annotations
 
@@ -7,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO
-
-SGLANG_PYTHON = Path(os.environ.get("HEADRACE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
+from tests.procs import SGLANG_PYTHON
 
 
 def _has_cuda() -> bool:
@@ -50,3 +50,11 @@ def _torch_threads() -> None:
     except ImportError:
         return
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-qwen2 preset (random init), written once per session (rollout and SGLang tests)."""
+    from headrace.shared.modelzoo import init_model
+
+    return init_model("tiny-qwen2", tmp_path_factory.mktemp("model") / "tiny-qwen2")

@@ -20,6 +20,8 @@ from headrace.shared.procs import free_port  # noqa: F401  (re-exported for test
 from headrace.shared.procs import signal_group, stop_group, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
+# the python of the SGLang venv (`make sglang-venv`) that the `sglang` test tier runs servers with
+SGLANG_PYTHON = Path(os.environ.get("HEADRACE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
 
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:

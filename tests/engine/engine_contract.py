@@ -1,9 +1,12 @@
 """Contract tests of the SGLang /generate and control API subset Headrace relies on.
 
-Each ``test_*`` function takes a fixture ``engine`` (an object with ``.url`` and ``.model_dir``)
-and holds for the reference engine and for a real SGLang 0.5.23 server alike: import them into a
-test module and bind ``engine`` there (tests/test_engine_reference.py binds the reference engine;
-the SGLang tier binds a real server started with ``--dtype float32``).
+The cases are the ``test_*`` methods of ``EngineContract``; each takes a fixture ``engine`` (an
+object with ``.url`` and ``.model_dir``) and holds for the reference engine and for a real SGLang
+0.5.23 server alike. This module is not a test module: a test module runs the contract against
+its backend with ``class TestEngineContract(EngineContract)`` and an ``engine`` fixture
+(tests/engine/test_engine_reference.py: the reference engine; tests/sglang/test_sglang_contract.py:
+a real SGLang server started with ``--dtype float32``). The request helpers (``post``,
+``generate``, ``hf_logprobs``, ``prompt_ids``, ``Background``) are shared with other engine tests.
 
 The server must run a float32 model whose directory ``transformers`` loads: logprobs are checked
 teacher-forced against a ``transformers`` forward pass of the same weights. No assertion depends
@@ -67,126 +70,7 @@ def check_result(res: dict[str, Any], prompt_len: int) -> None:
     assert all(isinstance(t, int) for t in res["output_ids"])
 
 
-# ---- /generate shapes ------------------------------------------------------------------------
-
-
-def test_generate_single_input_ids(engine: Any) -> None:
-    p = prompt_ids()
-    res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
-    assert isinstance(res, dict)
-    check_result(res, len(p))
-    assert res["meta_info"]["completion_tokens"] == 6
-    assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
-
-
-def test_generate_batch_input_ids_returns_list(engine: Any) -> None:
-    ps = [prompt_ids(1, 5), prompt_ids(2, 9), prompt_ids(3, 3)]
-    res = generate(engine, input_ids=ps, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-    assert isinstance(res, list) and len(res) == 3
-    for r, p in zip(res, ps):
-        check_result(r, len(p))
-        assert r["meta_info"]["completion_tokens"] == 4
-
-
-def test_generate_text_single_and_batch(engine: Any) -> None:
-    sp = {"max_new_tokens": 3, "ignore_eos": True}
-    one = generate(engine, text="What is 1 + 2?", sampling_params=sp)
-    assert isinstance(one, dict) and one["meta_info"]["prompt_tokens"] > 0
-    assert one["meta_info"]["completion_tokens"] == 3
-    many = generate(engine, text=["Compute 3 + 4.", "Solve: 5 - 1 ="], sampling_params=sp)
-    assert isinstance(many, list) and len(many) == 2
-    assert all(isinstance(r["text"], str) and r["meta_info"]["completion_tokens"] == 3 for r in many)
-
-
-def test_per_prompt_sampling_params_in_a_batch(engine: Any) -> None:
-    res = generate(engine, input_ids=[prompt_ids(4), prompt_ids(5)],
-                   sampling_params=[{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 5, "ignore_eos": True}])
-    assert [r["meta_info"]["completion_tokens"] for r in res] == [2, 5]
-
-
-# ---- logprobs --------------------------------------------------------------------------------
-
-
-def test_logprobs_finite_and_match_a_forward_pass(engine: Any) -> None:
-    p = prompt_ids(6, 10)
-    res = generate(engine, input_ids=p, return_logprob=True,
-                   sampling_params={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True})
-    lps = res["meta_info"]["output_token_logprobs"]
-    assert len(lps) == len(res["output_ids"]) == 12
-    for (lp, tid, text), out in zip(lps, res["output_ids"]):
-        assert tid == out and text is None
-        assert math.isfinite(lp) and lp <= 0.0
-    ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
-    for i, (lp, tid, _) in enumerate(lps):
-        assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
-
-
-def test_logprobs_at_temperature_are_of_the_tempered_distribution(engine: Any) -> None:
-    p = prompt_ids(7, 6)
-    res = generate(engine, input_ids=p, return_logprob=True,
-                   sampling_params={"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True})
-    ref = hf_logprobs(engine.model_dir, p, res["output_ids"], temperature=0.7)
-    for i, (lp, tid, _) in enumerate(res["meta_info"]["output_token_logprobs"]):
-        assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
-
-
-def test_greedy_follows_the_argmax(engine: Any) -> None:
-    p = prompt_ids(8, 7)
-    res = generate(engine, input_ids=p, return_logprob=True,
-                   sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
-    ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
-    for i, tid in enumerate(res["output_ids"]):
-        top2 = ref[i].topk(2).values
-        if float(top2[0] - top2[1]) > 1e-4:        # skip near-ties, where fp rounding may pick either
-            assert tid == int(ref[i].argmax()), (i, tid, int(ref[i].argmax()))
-        assert abs(res["meta_info"]["output_token_logprobs"][i][0] - float(ref[i, tid])) < LOGPROB_ATOL
-
-
-# ---- sampling params -------------------------------------------------------------------------
-
-
-def test_n_samples(engine: Any) -> None:
-    res = generate(engine, input_ids=prompt_ids(9), sampling_params={"n": 3, "max_new_tokens": 6, "ignore_eos": True})
-    assert isinstance(res, list) and len(res) == 3
-    assert len({r["meta_info"]["id"] for r in res}) == 3
-    assert all(r["meta_info"]["completion_tokens"] == 6 for r in res)
-    batch = generate(engine, input_ids=[prompt_ids(10, 4), prompt_ids(11, 7)],
-                     sampling_params={"n": 2, "max_new_tokens": 3, "ignore_eos": True})
-    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [4, 4, 7, 7]
-
-
-def test_max_new_tokens_gives_length_finish(engine: Any) -> None:
-    for k in (1, 7):
-        res = generate(engine, input_ids=prompt_ids(12), sampling_params={"max_new_tokens": k, "ignore_eos": True})
-        assert res["meta_info"]["completion_tokens"] == k
-        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": k}
-
-
-def test_stop_token_ids(engine: Any) -> None:
-    p = prompt_ids(13)
-    free = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0})["output_ids"]
-    k = next((i for i in range(2, len(free)) if free[i] not in free[:i]), 0)
-    stop = free[k]
-    res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [stop]})
-    assert res["output_ids"] == free[:k + 1]
-    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-
-
-def test_stop_strings(engine: Any) -> None:
-    p = prompt_ids(14)
-    sp = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
-    free = generate(engine, input_ids=p, sampling_params=sp)["text"]
-    j = next((i for i in range(1, len(free)) if free[i].isprintable() and not free[i].isspace()
-              and free[i] != "\ufffd"), None)
-    assert j is not None, f"greedy text {free!r} has no usable stop character"
-    stop = free[j]
-    res = generate(engine, input_ids=p, sampling_params={**sp, "stop": [stop]})
-    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
-    assert stop not in res["text"] and free.startswith(res["text"])
-    assert res["meta_info"]["completion_tokens"] < 16
-
-
-# ---- abort, pause, continue ------------------------------------------------------------------
+# ---- abort, pause, continue: helpers ---------------------------------------------------------
 
 
 class Background:
@@ -222,74 +106,6 @@ def _until_done(bg: Background, action: Any, every: float = 0.3, limit: float = 
         bg.thread.join(every)
 
 
-def test_abort_request_by_rid_returns_partial_output(engine: Any) -> None:
-    rid = f"contract-abort-{time.time_ns()}"
-    bg = Background(engine, input_ids=prompt_ids(15), rid=rid, return_logprob=True, sampling_params=LONG)
-    _until_done(bg, lambda: post(engine, "/abort_request", {"rid": rid}))
-    res = bg.wait()
-    assert res["meta_info"]["finish_reason"]["type"] == "abort"
-    assert res["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
-    assert len(res["meta_info"]["output_token_logprobs"]) == len(res["output_ids"])
-
-
-def test_abort_all(engine: Any) -> None:
-    bgs = [Background(engine, input_ids=prompt_ids(16 + i), sampling_params=LONG) for i in range(2)]
-    for bg in bgs:
-        _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
-    assert all(bg.wait()["meta_info"]["finish_reason"]["type"] == "abort" for bg in bgs)
-
-
-def test_abort_all_on_a_batch_returns_every_partial_output(engine: Any) -> None:
-    # the rollout's transport sends concurrent sequences as one batch request; a pause must give
-    # each of them back with its own partial tokens and logprobs
-    bg = Background(engine, input_ids=[prompt_ids(22), prompt_ids(23, 5)], return_logprob=True,
-                    sampling_params=[LONG, dict(LONG, max_new_tokens=1700)])
-    _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
-    res = bg.wait()
-    assert isinstance(res, list) and len(res) == 2
-    # a sequence still in the waiting queue is answered without prompt_tokens (SGLang's
-    # tokenizer manager builds that answer itself); one that was running reports its prompt
-    assert [r["meta_info"].get("prompt_tokens", p) for r, p in zip(res, (8, 5))] == [8, 5]
-    for r in res:
-        assert r["meta_info"]["finish_reason"]["type"] == "abort"
-        assert len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) == r["meta_info"]["completion_tokens"]
-
-
-def test_abort_all_while_retracted_answers_from_the_waiting_queue(engine: Any) -> None:
-    # pause(retract) puts running sequences back in the waiting queue; an abort then answers them
-    # from there: finish abort, the tokens generated so far, and no prompt_tokens (SGLang's shape)
-    bg = Background(engine, input_ids=prompt_ids(24), return_logprob=True, sampling_params=LONG)
-    try:
-        time.sleep(1.0)
-        assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
-        _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
-        res = bg.wait()
-    finally:
-        assert post(engine, "/continue_generation").status_code == 200
-    meta = res["meta_info"]
-    assert meta["finish_reason"]["type"] == "abort"
-    assert "prompt_tokens" not in meta
-    assert len(meta["output_token_logprobs"]) == len(res["output_ids"]) == meta["completion_tokens"]
-
-
-def test_pause_abort_then_continue(engine: Any) -> None:
-    bg = Background(engine, input_ids=prompt_ids(18), sampling_params=LONG)
-    try:
-        def pause_and_release() -> None:
-            r = post(engine, "/pause_generation", {"mode": "abort"})
-            assert r.status_code == 200, r.text
-            bg.thread.join(1.0)
-            if not bg.done():      # it arrived after the pause and is held: let it in, then abort again
-                post(engine, "/continue_generation")
-
-        _until_done(bg, pause_and_release)
-        assert bg.wait()["meta_info"]["finish_reason"]["type"] == "abort"
-    finally:
-        assert post(engine, "/continue_generation").status_code == 200
-    res = generate(engine, input_ids=prompt_ids(19), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
-    assert res["meta_info"]["finish_reason"]["type"] == "length"
-
-
 def _pause_hold_continue(engine: Any, mode: str) -> None:
     first = Background(engine, input_ids=prompt_ids(20), sampling_params={"max_new_tokens": 400, "ignore_eos": True})
     try:
@@ -305,39 +121,207 @@ def _pause_hold_continue(engine: Any, mode: str) -> None:
     assert res["meta_info"]["completion_tokens"] == 400
 
 
-def test_pause_in_place_holds_and_continue_resumes(engine: Any) -> None:
-    _pause_hold_continue(engine, "in_place")
+class EngineContract:
+    """The contract cases. Not collected here (no ``Test`` prefix): a test module subclasses it as
+    ``class TestEngineContract(EngineContract)`` and provides the ``engine`` fixture."""
 
+    # ---- /generate shapes ------------------------------------------------------------------------
 
-def test_pause_retract_holds_and_continue_resumes(engine: Any) -> None:
-    _pause_hold_continue(engine, "retract")
+    def test_generate_single_input_ids(self, engine: Any) -> None:
+        p = prompt_ids()
+        res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        assert isinstance(res, dict)
+        check_result(res, len(p))
+        assert res["meta_info"]["completion_tokens"] == 6
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
 
+    def test_generate_batch_input_ids_returns_list(self, engine: Any) -> None:
+        ps = [prompt_ids(1, 5), prompt_ids(2, 9), prompt_ids(3, 3)]
+        res = generate(engine, input_ids=ps, sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        assert isinstance(res, list) and len(res) == 3
+        for r, p in zip(res, ps):
+            check_result(r, len(p))
+            assert r["meta_info"]["completion_tokens"] == 4
 
-# ---- health and info -------------------------------------------------------------------------
+    def test_generate_text_single_and_batch(self, engine: Any) -> None:
+        sp = {"max_new_tokens": 3, "ignore_eos": True}
+        one = generate(engine, text="What is 1 + 2?", sampling_params=sp)
+        assert isinstance(one, dict) and one["meta_info"]["prompt_tokens"] > 0
+        assert one["meta_info"]["completion_tokens"] == 3
+        many = generate(engine, text=["Compute 3 + 4.", "Solve: 5 - 1 ="], sampling_params=sp)
+        assert isinstance(many, list) and len(many) == 2
+        assert all(isinstance(r["text"], str) and r["meta_info"]["completion_tokens"] == 3 for r in many)
 
+    def test_per_prompt_sampling_params_in_a_batch(self, engine: Any) -> None:
+        res = generate(engine, input_ids=[prompt_ids(4), prompt_ids(5)],
+                       sampling_params=[{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 5, "ignore_eos": True}])
+        assert [r["meta_info"]["completion_tokens"] for r in res] == [2, 5]
 
-def test_health_answers_503_while_generation_is_paused(engine: Any) -> None:
-    # SGLang's /health generates one token; a paused server cannot, and answers 503 (after its
-    # 20 s health-check timeout). Fleets must not take that for a dead engine.
-    assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
-    try:
-        assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 503
-        assert httpx.get(f"{engine.url}/get_model_info", timeout=30).status_code == 200   # alive
-    finally:
-        assert post(engine, "/continue_generation").status_code == 200
-    assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 200
+    # ---- logprobs --------------------------------------------------------------------------------
 
+    def test_logprobs_finite_and_match_a_forward_pass(self, engine: Any) -> None:
+        p = prompt_ids(6, 10)
+        res = generate(engine, input_ids=p, return_logprob=True,
+                       sampling_params={"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "ignore_eos": True})
+        lps = res["meta_info"]["output_token_logprobs"]
+        assert len(lps) == len(res["output_ids"]) == 12
+        for (lp, tid, text), out in zip(lps, res["output_ids"]):
+            assert tid == out and text is None
+            assert math.isfinite(lp) and lp <= 0.0
+        ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
+        for i, (lp, tid, _) in enumerate(lps):
+            assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
 
-def test_health(engine: Any) -> None:
-    assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
-    assert httpx.get(f"{engine.url}/health_generate", timeout=60).status_code == 200
+    def test_logprobs_at_temperature_are_of_the_tempered_distribution(self, engine: Any) -> None:
+        p = prompt_ids(7, 6)
+        res = generate(engine, input_ids=p, return_logprob=True,
+                       sampling_params={"max_new_tokens": 8, "temperature": 0.7, "ignore_eos": True})
+        ref = hf_logprobs(engine.model_dir, p, res["output_ids"], temperature=0.7)
+        for i, (lp, tid, _) in enumerate(res["meta_info"]["output_token_logprobs"]):
+            assert abs(lp - float(ref[i, tid])) < LOGPROB_ATOL, (i, lp, float(ref[i, tid]))
 
+    def test_greedy_follows_the_argmax(self, engine: Any) -> None:
+        p = prompt_ids(8, 7)
+        res = generate(engine, input_ids=p, return_logprob=True,
+                       sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+        ref = hf_logprobs(engine.model_dir, p, res["output_ids"])
+        for i, tid in enumerate(res["output_ids"]):
+            top2 = ref[i].topk(2).values
+            if float(top2[0] - top2[1]) > 1e-4:        # skip near-ties, where fp rounding may pick either
+                assert tid == int(ref[i].argmax()), (i, tid, int(ref[i].argmax()))
+            assert abs(res["meta_info"]["output_token_logprobs"][i][0] - float(ref[i, tid])) < LOGPROB_ATOL
 
-def test_get_model_info(engine: Any) -> None:
-    info = httpx.get(f"{engine.url}/get_model_info", timeout=30).json()
-    assert info["is_generation"] is True
-    assert "model_path" in info and "weight_version" in info
+    # ---- sampling params -------------------------------------------------------------------------
 
+    def test_n_samples(self, engine: Any) -> None:
+        res = generate(engine, input_ids=prompt_ids(9), sampling_params={"n": 3, "max_new_tokens": 6, "ignore_eos": True})
+        assert isinstance(res, list) and len(res) == 3
+        assert len({r["meta_info"]["id"] for r in res}) == 3
+        assert all(r["meta_info"]["completion_tokens"] == 6 for r in res)
+        batch = generate(engine, input_ids=[prompt_ids(10, 4), prompt_ids(11, 7)],
+                         sampling_params={"n": 2, "max_new_tokens": 3, "ignore_eos": True})
+        assert [r["meta_info"]["prompt_tokens"] for r in batch] == [4, 4, 7, 7]
 
-def test_flush_cache_when_idle(engine: Any) -> None:
-    assert post(engine, "/flush_cache").status_code == 200
+    def test_max_new_tokens_gives_length_finish(self, engine: Any) -> None:
+        for k in (1, 7):
+            res = generate(engine, input_ids=prompt_ids(12), sampling_params={"max_new_tokens": k, "ignore_eos": True})
+            assert res["meta_info"]["completion_tokens"] == k
+            assert res["meta_info"]["finish_reason"] == {"type": "length", "length": k}
+
+    def test_stop_token_ids(self, engine: Any) -> None:
+        p = prompt_ids(13)
+        free = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0})["output_ids"]
+        k = next((i for i in range(2, len(free)) if free[i] not in free[:i]), 0)
+        stop = free[k]
+        res = generate(engine, input_ids=p, sampling_params={"max_new_tokens": 16, "temperature": 0.0, "stop_token_ids": [stop]})
+        assert res["output_ids"] == free[:k + 1]
+        assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+    def test_stop_strings(self, engine: Any) -> None:
+        p = prompt_ids(14)
+        sp = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+        free = generate(engine, input_ids=p, sampling_params=sp)["text"]
+        j = next((i for i in range(1, len(free)) if free[i].isprintable() and not free[i].isspace()
+                  and free[i] != "\ufffd"), None)
+        assert j is not None, f"greedy text {free!r} has no usable stop character"
+        stop = free[j]
+        res = generate(engine, input_ids=p, sampling_params={**sp, "stop": [stop]})
+        assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+        assert stop not in res["text"] and free.startswith(res["text"])
+        assert res["meta_info"]["completion_tokens"] < 16
+
+    # ---- abort, pause, continue ------------------------------------------------------------------
+
+    def test_abort_request_by_rid_returns_partial_output(self, engine: Any) -> None:
+        rid = f"contract-abort-{time.time_ns()}"
+        bg = Background(engine, input_ids=prompt_ids(15), rid=rid, return_logprob=True, sampling_params=LONG)
+        _until_done(bg, lambda: post(engine, "/abort_request", {"rid": rid}))
+        res = bg.wait()
+        assert res["meta_info"]["finish_reason"]["type"] == "abort"
+        assert res["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
+        assert len(res["meta_info"]["output_token_logprobs"]) == len(res["output_ids"])
+
+    def test_abort_all(self, engine: Any) -> None:
+        bgs = [Background(engine, input_ids=prompt_ids(16 + i), sampling_params=LONG) for i in range(2)]
+        for bg in bgs:
+            _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+        assert all(bg.wait()["meta_info"]["finish_reason"]["type"] == "abort" for bg in bgs)
+
+    def test_abort_all_on_a_batch_returns_every_partial_output(self, engine: Any) -> None:
+        # the rollout's transport sends concurrent sequences as one batch request; a pause must give
+        # each of them back with its own partial tokens and logprobs
+        bg = Background(engine, input_ids=[prompt_ids(22), prompt_ids(23, 5)], return_logprob=True,
+                        sampling_params=[LONG, dict(LONG, max_new_tokens=1700)])
+        _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+        res = bg.wait()
+        assert isinstance(res, list) and len(res) == 2
+        # a sequence still in the waiting queue is answered without prompt_tokens (SGLang's
+        # tokenizer manager builds that answer itself); one that was running reports its prompt
+        assert [r["meta_info"].get("prompt_tokens", p) for r, p in zip(res, (8, 5))] == [8, 5]
+        for r in res:
+            assert r["meta_info"]["finish_reason"]["type"] == "abort"
+            assert len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) == r["meta_info"]["completion_tokens"]
+
+    def test_abort_all_while_retracted_answers_from_the_waiting_queue(self, engine: Any) -> None:
+        # pause(retract) puts running sequences back in the waiting queue; an abort then answers them
+        # from there: finish abort, the tokens generated so far, and no prompt_tokens (SGLang's shape)
+        bg = Background(engine, input_ids=prompt_ids(24), return_logprob=True, sampling_params=LONG)
+        try:
+            time.sleep(1.0)
+            assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
+            _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+            res = bg.wait()
+        finally:
+            assert post(engine, "/continue_generation").status_code == 200
+        meta = res["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        assert "prompt_tokens" not in meta
+        assert len(meta["output_token_logprobs"]) == len(res["output_ids"]) == meta["completion_tokens"]
+
+    def test_pause_abort_then_continue(self, engine: Any) -> None:
+        bg = Background(engine, input_ids=prompt_ids(18), sampling_params=LONG)
+        try:
+            def pause_and_release() -> None:
+                r = post(engine, "/pause_generation", {"mode": "abort"})
+                assert r.status_code == 200, r.text
+                bg.thread.join(1.0)
+                if not bg.done():      # it arrived after the pause and is held: let it in, then abort again
+                    post(engine, "/continue_generation")
+
+            _until_done(bg, pause_and_release)
+            assert bg.wait()["meta_info"]["finish_reason"]["type"] == "abort"
+        finally:
+            assert post(engine, "/continue_generation").status_code == 200
+        res = generate(engine, input_ids=prompt_ids(19), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        assert res["meta_info"]["finish_reason"]["type"] == "length"
+
+    def test_pause_in_place_holds_and_continue_resumes(self, engine: Any) -> None:
+        _pause_hold_continue(engine, "in_place")
+
+    def test_pause_retract_holds_and_continue_resumes(self, engine: Any) -> None:
+        _pause_hold_continue(engine, "retract")
+
+    # ---- health and info -------------------------------------------------------------------------
+
+    def test_health_answers_503_while_generation_is_paused(self, engine: Any) -> None:
+        # SGLang's /health generates one token; a paused server cannot, and answers 503 (after its
+        # 20 s health-check timeout). Fleets must not take that for a dead engine.
+        assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
+        try:
+            assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 503
+            assert httpx.get(f"{engine.url}/get_model_info", timeout=30).status_code == 200   # alive
+        finally:
+            assert post(engine, "/continue_generation").status_code == 200
+        assert httpx.get(f"{engine.url}/health", timeout=120).status_code == 200
+
+    def test_health(self, engine: Any) -> None:
+        assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{engine.url}/health_generate", timeout=60).status_code == 200
+
+    def test_get_model_info(self, engine: Any) -> None:
+        info = httpx.get(f"{engine.url}/get_model_info", timeout=30).json()
+        assert info["is_generation"] is True
+        assert "model_path" in info and "weight_version" in info
+
+    def test_flush_cache_when_idle(self, engine: Any) -> None:
+        assert post(engine, "/flush_cache").status_code == 200

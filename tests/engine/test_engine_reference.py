@@ -1,6 +1,6 @@
 """The reference engine as a real ``headrace engine serve`` process on loopback.
 
-Runs the shared SGLang contract (tests/engine_contract.py) against it, plus reference-only checks:
+Runs the SGLang contract (tests/engine/engine_contract.py) against it, plus reference-only checks:
 continuous batching, memory release/resume, weight updates from disk, the weight-update session
 rule, seeded sampling, and bad input answered with a clear 4xx while the server keeps serving.
 """
@@ -15,8 +15,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.engine.engine_contract import *  # noqa: F401,F403 - the contract runs here against the reference engine
-from tests.engine.engine_contract import Background, generate, post, prompt_ids
+from tests.engine.engine_contract import Background, EngineContract, generate, hf_logprobs, post, prompt_ids
 from tests.procs import Proc, child_env, headrace_cmd, reference_engine
 
 
@@ -38,6 +37,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHandle]:
     with reference_engine(model_dir, tmp_path_factory.mktemp("logs") / "engine.log") as (url, proc):
         yield EngineHandle(url, str(model_dir), proc)
+
+
+class TestEngineContract(EngineContract):
+    """The shared SGLang contract, against this module's reference engine."""
 
 
 def server_state(engine: EngineHandle) -> dict:
@@ -128,8 +131,6 @@ def test_update_weights_from_disk(engine: EngineHandle, model_dir: Path, tmp_pat
     res = generate(engine, input_ids=prompt_ids(36), return_logprob=True,
                    sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
     assert res["meta_info"]["weight_version"] == "7"
-    from tests.engine.engine_contract import hf_logprobs
-
     ref = hf_logprobs(str(other), prompt_ids(36), res["output_ids"])
     assert res["output_ids"][0] == int(ref[0].argmax())
     assert abs(res["meta_info"]["output_token_logprobs"][0][0] - float(ref[0].max())) < 1e-3

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.procs import free_port
-from tests.rollout.test_rollout_support import stacks, tiny_model, write_prompts  # noqa: F401 (fixtures)
+from tests.rollout.support import write_prompts
 
 
 def _kill(pid: int) -> None:

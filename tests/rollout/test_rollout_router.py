@@ -10,9 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import SGLANG_PYTHON
-from tests.procs import free_port
-from tests.rollout.test_rollout_support import stacks, tiny_model, write_prompts  # noqa: F401 (fixtures)
+from tests.procs import SGLANG_PYTHON, free_port
+from tests.rollout.support import write_prompts
 
 
 @pytest.mark.sglang

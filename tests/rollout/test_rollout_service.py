@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.rollout.test_rollout_support import stacks, tiny_model, write_prompts  # noqa: F401 (fixtures)
+from tests.rollout.support import write_prompts
 
 GENERATOR = '''
 from headrace.rollout.generate import append_tokens, append_turn

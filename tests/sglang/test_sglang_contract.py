@@ -1,6 +1,6 @@
-"""The shared engine contract (tests/engine_contract.py) against a real SGLang 0.5.23 server on CPU.
+"""The shared engine contract (tests/engine/engine_contract.py) against a real SGLang 0.5.23 server on CPU.
 
-The same test functions run against the reference engine in tests/test_engine_reference.py; here
+The same cases run against the reference engine in tests/engine/test_engine_reference.py; here
 ``engine`` is a real ``python -m sglang.launch_server`` process from the SGLang venv
 (``make sglang-venv``), launched with the CPU flags and ``--dtype float32`` so logprobs compare
 with ``transformers``. One server per module, stopped by pid at the end.
@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.engine.engine_contract import *  # noqa: F401,F403 - the contract runs here against SGLang
+from tests.engine.engine_contract import EngineContract
 from tests.sglang.sglang_cpu.server import SGLangServer, tiny_model
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -35,3 +35,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SGLangEngine]:
         yield SGLangEngine(server.url, model_dir)
     finally:
         server.stop()
+
+
+class TestEngineContract(EngineContract):
+    """The shared SGLang contract, against this module's real SGLang server."""

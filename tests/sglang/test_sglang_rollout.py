@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from tests.procs import Proc, child_env, free_port, headrace_cmd
+from tests.rollout.support import Stack, write_prompts
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python
-from tests.rollout.test_rollout_support import Stack, tiny_model, write_prompts  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -1,7 +1,7 @@
 """The test-only ``sgl_kernel`` CPU stand-in (tests/sglang/sglang_cpu) against the semantics of the
 SGLang 0.5.23 Triton kernels it replaces (read in sglang/srt/mem_cache/allocation.py and
 sglang/kernels/ops/kvcache/cache_move.py). End to end it is exercised by every test that runs
-the real server (tests/test_sglang_contract.py)."""
+the real server (tests/sglang/test_sglang_contract.py)."""
 
 from __future__ import annotations
 

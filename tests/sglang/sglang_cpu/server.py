@@ -1,7 +1,7 @@
 """Start a real SGLang 0.5.23 server (or sglang-router 0.3.x) on CPU for the ``sglang`` test tier.
 
 The processes run from the SGLang venv built by ``scripts/build_sglang_venv.sh`` (its python is
-``tests.conftest.SGLANG_PYTHON``), with the CPU flags SGLang needs on a machine without a GPU and
+``tests.procs.SGLANG_PYTHON``), with the CPU flags SGLang needs on a machine without a GPU and
 the test-only ``sgl_kernel`` stand-in installed in that venv. Nothing here imports sglang.
 
 Guarantees:
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import httpx
 
-from tests.procs import Proc, child_env, free_port
+from tests.procs import SGLANG_PYTHON, Proc, child_env, free_port
 
 # The flags that make SGLang 0.5.23 run on a CPU-only host (see DESIGN.md, "SGLang facts").
 # On CPU --mem-fraction-static is only a start-up sanity check against the host's *available*
@@ -34,8 +34,6 @@ STARTUP_TIMEOUT_S = 400.0   # ~20 s on an idle 2-core box; minutes when it is sh
 
 
 def sglang_python() -> Path:
-    from tests.conftest import SGLANG_PYTHON
-
     return SGLANG_PYTHON
 
 

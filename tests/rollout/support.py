@@ -1,6 +1,7 @@
-"""Helpers for the rollout integration tests (no tests here): a tiny model, prompt files, and a
-stack of real processes on loopback — ``headrace buffer serve`` and ``headrace rollout serve``,
-which itself launches ``headrace engine serve`` processes."""
+"""Helpers for the rollout integration tests (no tests here): prompt files, and a stack of real
+processes on loopback — ``headrace buffer serve`` and ``headrace rollout serve``, which itself
+launches ``headrace engine serve`` processes. The fixtures over them (``stacks``) are in
+tests/rollout/conftest.py; the tiny model (``tiny_model``) in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -10,19 +11,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import httpx
-import pytest
 import yaml
 
 from headrace.shared.client import BufferClient
 from headrace.shared.schemas import Group
 from tests.procs import Proc, child_env, free_port, headrace_cmd
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from headrace.shared.modelzoo import init_model
-
-    return init_model("tiny-qwen2", tmp_path_factory.mktemp("model") / "tiny-qwen2")
 
 
 def write_prompts(path: Path, n: int, label: Callable[[int], Any] = str) -> Path:
@@ -108,17 +101,3 @@ class Stack:
         for p in (self.rollout, self.buffer):
             if p is not None:
                 p.stop()
-
-
-@pytest.fixture
-def stacks(tmp_path: Path):
-    made: list[Stack] = []
-
-    def make(model: Path, rollout: dict[str, Any], **kw: Any) -> Stack:
-        s = Stack(tmp_path / f"s{len(made)}", model, rollout, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.stop()
