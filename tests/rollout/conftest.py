@@ -13,6 +13,8 @@ from tests.rollout.support import Stack
 
 @pytest.fixture
 def stacks(tmp_path: Path) -> Iterator[Callable[..., Stack]]:
+    """``stacks(model, rollout_config, **kw)`` makes a Stack under tmp_path (start it yourself);
+    every Stack made is stopped when the test ends."""
     made: list[Stack] = []
 
     def make(model: Path, rollout: dict[str, Any], **kw: Any) -> Stack:
