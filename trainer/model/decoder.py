@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from headrace.shared.hf_arch import ArchConfig, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from headrace.trainer.model.attention import AttentionPlan, packed_causal_attention
 from headrace.trainer.model.attention import plan as plan_attention
+from headrace.trainer.model.loading import gather_hf_tensors
 from headrace.trainer.model.logprobs import vocab_parallel_logprobs
 from headrace.trainer.model.support import check_tp_compatible, padded_dims
 from headrace.trainer.parallel import ParallelInfo
@@ -234,6 +235,4 @@ class TPDecoder(torch.nn.Module):
     def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names (model device and dtype, padding removed), gathered over TP;
         yields on TP rank 0 only. A collective: every TP rank must exhaust the iterator."""
-        from headrace.trainer.model.loading import gather_hf_tensors
-
         yield from gather_hf_tensors(self)

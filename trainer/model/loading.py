@@ -22,15 +22,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from headrace.trainer.model.support import padded_dims
 
-if TYPE_CHECKING:
-    from headrace.trainer.model.decoder import TPDecoder
+# ``model`` below is a ``decoder.TPDecoder`` (arch, info, tied, layers): typed as nn.Module because
+# decoder imports this module (``TPDecoder.hf_state_dict``) and nothing may import it back.
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Spec:
     mode: str                           # rep | rows | cols
 
 
-def param_specs(model: "TPDecoder") -> dict[str, Spec]:
+def param_specs(model: nn.Module) -> dict[str, Spec]:
     """Spec of every parameter of ``model`` (our name -> Spec)."""
     a = model.arch
     dims = padded_dims(a, model.info.tp)
@@ -79,7 +80,7 @@ def param_specs(model: "TPDecoder") -> dict[str, Spec]:
     return specs
 
 
-def full_shapes(model: "TPDecoder") -> dict[str, tuple[int, ...]]:
+def full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """The HF shape each HF tensor must have for ``model.arch``."""
     a = model.arch
     h, hd, inter = a.hidden_size, a.head_dim, a.intermediate_size
@@ -140,7 +141,7 @@ class _Reader:
 
 
 @torch.no_grad()
-def load_shards(model: "TPDecoder", model_dir: str | Path) -> None:
+def load_shards(model: nn.Module, model_dir: str | Path) -> None:
     """Fill every parameter of ``model`` with this rank's slice of the checkpoint (zero padding)."""
     reader, shapes = _Reader(model_dir), full_shapes(model)
     tp, r = model.info.tp, model.info.tp_rank
@@ -173,7 +174,7 @@ def load_shards(model: "TPDecoder", model_dir: str | Path) -> None:
 
 
 @torch.no_grad()
-def gather_hf_tensors(model: "TPDecoder") -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs, layer by layer, on the model's device (NCCL weight sync sends
     them from there); yields on TP rank 0 only. A collective over the TP group."""
     info, shapes = model.info, full_shapes(model)
