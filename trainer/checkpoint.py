@@ -16,12 +16,18 @@ Guarantees:
 - ``load_checkpoint`` restores model, optimizer, scheduler, step, policy version, data positions and
   every RNG, so the next step computes the same loss, bit for bit, as an uninterrupted run on the
   same batch. Resuming with a different TP or DP size is refused with a clear error.
-- Every function here is a collective over all ranks (call it on every rank).
+- Every function here, and ``Checkpointer.save`` / ``resume``, is a collective over all ranks
+  (call it on every rank).
+- ``Checkpointer`` owns the save cadence (torchtitan's pattern): the loop calls ``save(step)``
+  after every step and ``save(step, last=True)`` when it stops for any reason; the checkpointer
+  writes every ``every`` steps and at the last step, never the same step twice, and never a step
+  it started from (nothing was trained since). The loop keeps no bookkeeping of its own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -33,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from headrace.trainer.step import TrainerState
+
+log = logging.getLogger("headrace.trainer")
 
 
 def _barrier() -> None:
@@ -128,6 +136,44 @@ def load_checkpoint(st: TrainerState, path: str | Path) -> dict[str, Any]:
     st.extra = dict(meta.get("extra") or {})
     _barrier()
     return meta
+
+
+class Checkpointer:
+    """Saves ``st`` under ``directory`` when the cadence says so; resumes it from the newest save.
+
+    ``every``: write after every ``every``-th step (0: only at the last step). ``keep``: how many
+    complete checkpoints stay on disk.
+    """
+
+    def __init__(self, st: TrainerState, directory: str | Path, every: int = 0, keep: int = 2) -> None:
+        if every < 0:
+            raise ValueError(f"checkpoint interval must be >= 0, got {every}")
+        self.st, self.directory, self.every, self.keep = st, Path(directory), every, keep
+        self.saved_step = st.step   # the step whose state is on disk (or was the starting point)
+
+    def resume(self) -> Path | None:
+        """Restore ``st`` from the newest complete checkpoint, if any; returns its path. Collective."""
+        latest = latest_checkpoint(self.directory)
+        if latest is not None:
+            load_checkpoint(self.st, latest)
+            self.saved_step = self.st.step
+            log.info("resumed from %s (step %d, policy version %d)", latest, self.st.step, self.st.policy_version)
+        return latest
+
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether ``save(step, last=last)`` writes: a step not yet saved that is the last one or a
+        multiple of ``every``."""
+        return step != self.saved_step and (last or (self.every > 0 and step % self.every == 0))
+
+    def save(self, step: int, *, last: bool = False) -> Path | None:
+        """Call after every step (``last=True`` when training stops); writes when ``due``. Collective."""
+        if step != self.st.step:
+            raise ValueError(f"save({step}) but the trainer state is at step {self.st.step}")
+        if not self.due(step, last):
+            return None
+        path = save_checkpoint(self.st, self.directory, keep=self.keep)
+        self.saved_step = step
+        return path
 
 
 def export_hf(st: TrainerState, out_dir: str | Path, source_dir: str | Path) -> Path:

@@ -1,203 +1,146 @@
 """The ``headrace train`` loop, run on every trainer rank; rank 0 drives.
 
-Per step::
+One loop per rollout mode (``headrace.shared.config.rollout_mode``: colocated placement is always
+on_demand), each phase one line::
 
-    hook.before_lease -> lease N groups (rank 0) -> validate -> broadcast -> train_step (all ranks)
-    -> policy_version += 1 -> PUT /v1/policy_version -> hook.after_update (weight sync) -> ack -> metrics
+    on_demand (colocated): generate -> release memory -> lease -> train -> publish version
+                           -> resume memory -> sync weights -> resume(v) -> ack -> evaluate
+    continuous (async):    lease -> train -> publish version -> pause -> sync weights -> resume(v)
+                           -> ack -> evaluate
 
-Why rank 0 leases for everyone and broadcasts the batch (instead of each DP rank leasing its share):
-one lease per step means one ack or one release — a step is consumed or returned whole, never
-half; validation happens once, so every rank agrees whether a batch is bad and nobody blocks in a
-collective; and advantages and loss normalisers need the whole batch's rewards and token counts,
-which every rank then has without extra communication. The batch is token ids and a few floats per
-token: broadcasting it costs little next to a training step. ``trainer.batch`` then gives each DP
-rank a token-balanced share.
+then, after every step: log its metrics row (``trainer.metrics.StepMetrics``), hand the step to the
+checkpointer (``trainer.checkpoint.Checkpointer`` decides whether to write), agree on a stop.
+"publish version" is policy_version += 1 and ``PUT /v1/policy_version``. The phases that involve
+the engines are methods of a ``RolloutControl`` (``trainer.rollout_control``: ``NoRollout`` in
+train-only mode, ``EngineControl`` with a rollout URL, or the ``trainer.weight_sync_hook`` plugin);
+the lease, its validation and its ack or release are ``trainer.lease.LeaseSource``'s (rank 0
+leases for every rank and broadcasts the batch; its docstring says why); the update is
+``trainer.step.train_step``.
 
 Guarantees:
 - A bad batch (``BadBatchError``: token outside the vocabulary, prompts that differ within a
   group, non-finite reward, no trainable token, ...) is released, not acked; the error names the
   group; model, optimizer and counters are exactly as before the lease (a checkpoint of that state
-  is written when ``checkpoint_dir`` is set) and the loop stops with the error.
-- Any failure during a step releases the lease on rank 0 before the error propagates.
+  is written when anything was trained since the last one) and the loop stops with the error.
+- Any failure during a step before its ack (train, publish, memory, sync, resume) releases the
+  lease on rank 0 before the error propagates.
 - Train-only mode (no rollout URL): the loop trains on what the buffer holds and stops cleanly when
   fewer than ``groups_per_step`` groups arrive within ``lease_wait_s``. With a rollout URL it waits.
-- Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version).
+- Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version),
+  and before the first step pushes the restored weights to the engines, so they never serve the
+  initial weights under the resumed version. A fresh run evaluates first (the step-0 baseline).
 - SIGTERM (preemption, ``docker stop``, ``headrace run``'s Ctrl-C) is a request to stop: the step
   in progress finishes and is acked, every rank agrees at the step boundary, a checkpoint of that
   step is written and the loop returns normally (no HF export: the run is not finished). A rank 0
-  waiting for groups notices within ``STOP_POLL_S``.
-
-``WeightSyncHook`` is where weight sync to the engines plugs in (the default does nothing);
-configure one with ``trainer.weight_sync_hook: module:function`` — a factory called on every rank
-as ``factory(config, info, rollout_url) -> WeightSyncHook``.
+  waiting for groups notices within ``trainer.lease.STOP_POLL_S``.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import signal
-import threading
-import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from headrace.shared.config import HeadraceConfig
-from headrace.trainer.batch import BadBatchError, TrainBatch, build_batch
-from headrace.trainer.checkpoint import export_hf, latest_checkpoint, load_checkpoint, save_checkpoint
-from headrace.trainer.metrics import MetricsWriter
+from headrace.shared.config import HeadraceConfig, rollout_mode
+from headrace.trainer.batch import BadBatchError
+from headrace.trainer.checkpoint import Checkpointer, export_hf
+from headrace.trainer.lease import Leased, LeaseSource, StopRequest
+from headrace.trainer.metrics import MetricsWriter, StepMetrics
 from headrace.trainer.optim import build_optimizer, build_scheduler
+from headrace.trainer.rollout_control import RolloutControl, build_rollout_control
 from headrace.trainer.step import TrainerState, train_step
 
 log = logging.getLogger("headrace.trainer")
 
-STOP_POLL_S = 2.0  # longest single lease wait, so a stop request is seen this quickly
-
-
-class StopRequest:
-    """Set by SIGTERM (in the main thread's handler); ranks agree on it at step boundaries."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        if not self.requested:
-            log.warning("SIGTERM: stopping after the current step (a checkpoint of it will be written)")
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """True on every rank when any rank was asked to stop (one tiny all-reduce per step)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return self.requested
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
-
-
-class WeightSyncHook(Protocol):
-    """Called on every rank; implementations decide which ranks talk to the rollout service."""
-
-    def before_lease(self, st: TrainerState) -> None:
-        """Before each lease (on-demand mode: ask the rollout to generate the next batch)."""
-
-    def after_update(self, st: TrainerState, version: int) -> dict[str, Any] | None:
-        """After the optimizer step and the policy-version PUT, before the ack (pause, sync, resume).
-
-        May return extra metrics for this step (e.g. ``eval_score``)."""
-
-    def close(self) -> None:
-        """At the end of training (also after an error)."""
-
-
-class NoWeightSync:
-    """The default hook: nothing to sync (train-only mode, or engines that load checkpoints)."""
-
-    def before_lease(self, st: TrainerState) -> None:
-        pass
-
-    def after_update(self, st: TrainerState, version: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
 
 @dataclass
-class Leased:
-    lease_id: str | None
-    batch: TrainBatch
-    weight_version: int
-    wait_s: float
+class Run:
+    """What a loop drives: the trainer state and the objects each phase calls."""
+
+    st: TrainerState
+    steps: int                  # trainer.steps: the loop ends when st.step reaches it
+    source: LeaseSource
+    rollout: RolloutControl
+    ckpt: Checkpointer
+    metrics: StepMetrics
+    stop: StopRequest
+
+    def publish_version(self, leased: Leased) -> None:
+        """The update is the next policy version: count the lease's groups, tell the buffer."""
+        self.st.policy_version += 1
+        self.st.groups_consumed += leased.batch.num_groups
+        self.st.samples_consumed += len(leased.batch.samples)
+        self.source.set_policy_version(self.st.policy_version)
 
 
-class LeaseSource:
-    """Rank 0 leases and validates; every rank gets the same ``Leased``, None (stop) or the error."""
+def train_on_demand(r: Run) -> bool:
+    """Synchronous (colocated): the engines generate one batch with the current policy and give the
+    devices to the trainer, which trains on exactly that batch and hands the new weights back.
+    Returns True when stopped on request (SIGTERM), False when done or the buffer ran dry."""
+    st, rollout, source = r.st, r.rollout, r.source
+    if st.step == 0:
+        r.metrics.log_baseline(st.step, st.policy_version, rollout.evaluate(st.step))
+    else:                                       # resumed: the engines serve the restored policy first
+        rollout.sync_weights(st)
+        rollout.resume(st.policy_version)
+    while st.step < r.steps:
+        r.metrics.start_step()
+        rollout.generate()
+        rollout.release_memory()
+        leased = source.next()
+        if leased is None:                      # stop requested while waiting, or train-only and dry
+            return r.stop.agreed()
+        with source.release_on_failure(leased):
+            train = train_step(st, leased.batch)
+            r.publish_version(leased)
+            rollout.resume_memory()
+            rollout.sync_weights(st)
+            rollout.resume(st.policy_version)
+        source.ack(leased)
+        r.metrics.log_step(train, st.policy_version, leased, rollout.phase_times(), rollout.evaluate(st.step))
+        r.ckpt.save(st.step)
+        if r.stop.agreed():
+            return True
+    return False
 
-    def __init__(self, cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None, rank: int,
-                 vocab_size: int, max_seq_len: int, stop: StopRequest | None = None) -> None:
-        self.cfg, self.rank, self.train_only = cfg, rank, rollout_url is None
-        self.stop = stop or StopRequest()
-        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
-        self.client = None
-        self.min_version = 0      # leases take no group older than policy_version - max_staleness
-        if rank == 0:
-            from headrace.shared.client import BufferClient
 
-            self.client = BufferClient(buffer_url, token=cfg.buffer.token)
+def train_continuous(r: Run) -> bool:
+    """Asynchronous (disaggregated): the rollout generates ahead into the buffer (within
+    ``buffer.max_staleness`` versions) while the trainer trains; generation pauses only for the
+    weight sync. Returns True when stopped on request (SIGTERM), False when done or dry."""
+    st, rollout, source = r.st, r.rollout, r.source
+    if st.step == 0:
+        r.metrics.log_baseline(st.step, st.policy_version, rollout.evaluate(st.step))
+    else:                                       # resumed: the engines serve the restored policy first
+        rollout.pause()
+        rollout.sync_weights(st)
+        rollout.resume(st.policy_version)
+    while st.step < r.steps:
+        r.metrics.start_step()
+        leased = source.next()
+        if leased is None:                      # stop requested while waiting, or train-only and dry
+            return r.stop.agreed()
+        with source.release_on_failure(leased):
+            train = train_step(st, leased.batch)
+            r.publish_version(leased)
+            rollout.pause()
+            rollout.sync_weights(st)
+            rollout.resume(st.policy_version)
+        source.ack(leased)
+        r.metrics.log_step(train, st.policy_version, leased, rollout.phase_times(), rollout.evaluate(st.step))
+        r.ckpt.save(st.step)
+        if r.stop.agreed():
+            return True
+    return False
 
-    def _lease_rank0(self) -> dict[str, Any]:
-        n = self.cfg.rollout.groups_per_step
-        wait_s = self.cfg.trainer.lease_wait_s
-        t0 = time.perf_counter()
-        attempt = t0
-        while True:
-            if self.stop.requested:
-                return {"kind": "stop", "reason": "stop requested (SIGTERM) while waiting for groups"}
-            lease = self.client.lease(n, wait_s=min(STOP_POLL_S, max(0.05, attempt + wait_s - time.perf_counter())),
-                                      lease_s=self.cfg.buffer.lease_s, min_weight_version=self.min_version or None)
-            if lease is not None:
-                break
-            if time.perf_counter() - attempt < wait_s:
-                continue
-            attempt = time.perf_counter()
-            if self.train_only:
-                st = self.client.stats()
-                return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
-                                                  f"within {self.cfg.trainer.lease_wait_s}s (queued {st.queued}, "
-                                                  f"leased {st.leased}, consumed {st.consumed})"}
-            log.info("waiting for %d groups in the buffer", n)
-        wait = time.perf_counter() - t0
-        try:
-            batch = build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
-        except BadBatchError as e:
-            self.client.release(lease.lease_id)
-            return {"kind": "error", "group_id": e.group_id, "problem": e.problem, "lease_id": lease.lease_id}
-        wv = min(g.weight_version for g in lease.groups)
-        return {"kind": "batch", "leased": Leased(lease.lease_id, batch, wv, wait)}
 
-    def next(self) -> Leased | None:
-        """The next batch on every rank; raises ``BadBatchError`` on every rank for a bad one."""
-        msg = [self._lease_rank0() if self.rank == 0 else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(msg, src=0)
-        m = msg[0]
-        if m["kind"] == "stop":
-            log.info(m["reason"])
-            return None
-        if m["kind"] == "error":
-            raise BadBatchError(m["group_id"], m["problem"] + f" (lease {m['lease_id']} released, not acked)")
-        return m["leased"]
-
-    def finish(self, leased: Leased, ok: bool) -> None:
-        """Ack (``ok``) or release the lease; rank 0 only."""
-        if self.client is None or leased.lease_id is None:
-            return
-        (self.client.ack if ok else self.client.release)(leased.lease_id)
-
-    def set_policy_version(self, v: int) -> None:
-        self.min_version = max(0, v - self.cfg.buffer.max_staleness)
-        if self.client is not None:
-            self.client.set_policy_version(v)
-
-    def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+LOOPS = {"on_demand": train_on_demand, "continuous": train_continuous}
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -226,25 +169,13 @@ def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
                         ref_model=ref, temperature=temp if temp > 0 else 1.0)
 
 
-def _make_hook(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> WeightSyncHook:
-    spec = cfg.trainer.weight_sync_hook
-    if not spec:
-        if rollout_url is None:
-            return NoWeightSync()
-        from headrace.trainer.sync import EngineSync
-
-        return EngineSync(cfg, info, rollout_url)
-    from headrace.shared.plugins import load_plugin
-
-    return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
-
-
 def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None = None,
-                 hook: WeightSyncHook | None = None) -> dict[str, Any]:
+                 rollout: RolloutControl | None = None) -> dict[str, Any]:
     """Train on this rank until ``trainer.steps`` (or the buffer runs dry in train-only mode).
 
-    Expects the torchrun-style environment (``trainer.launch.spawn`` sets it). Returns a summary
-    (steps done, policy version, last metrics) on every rank.
+    Expects the torchrun-style environment (``trainer.launch.spawn`` sets it). ``rollout``
+    overrides ``build_rollout_control``. Returns a summary (steps done, policy version, last
+    metrics, whether it stopped on request) on every rank.
     """
     from headrace.trainer.parallel import destroy_distributed, init_distributed
 
@@ -254,80 +185,36 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
     info = init_distributed(t.tp, t.dp)
     try:
         st = build_state(cfg, info)
-        ckpt_dir = cfg.resolved_path(t.checkpoint_dir, "ckpt")
-        latest = latest_checkpoint(ckpt_dir)
-        if latest is not None:
-            load_checkpoint(st, latest)
-            log.info("resumed from %s (step %d, policy version %d)", latest, st.step, st.policy_version)
-        arch = st.model.arch
-        stop = StopRequest()
-        stop.install()
-        source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size, arch.max_position_embeddings,
-                             stop)
-        out = Path(cfg.run.out)
-        writer = MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None) \
-            if info.rank == 0 else None
-        hook = hook or _make_hook(cfg, info, rollout_url)
-        last: dict[str, Any] = {}
-        saved_at = st.step
-        stopped = False
-        try:
+        ckpt = Checkpointer(st, cfg.resolved_path(t.checkpoint_dir, "ckpt"), every=t.save_every)
+        ckpt.resume()
+        with ExitStack() as cleanup:
+            stop = StopRequest()
+            stop.install()
+            cleanup.callback(stop.uninstall)
+            arch = st.model.arch
+            source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size,
+                                 arch.max_position_embeddings, stop)
+            cleanup.callback(source.close)
+            out = Path(cfg.run.out)
+            metrics = StepMetrics(MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None)
+                                  if info.rank == 0 else None)
+            cleanup.callback(metrics.close)
+            rollout = rollout or build_rollout_control(cfg, info, rollout_url)
+            cleanup.callback(rollout.close)
             source.set_policy_version(st.policy_version)
-            initial = getattr(hook, "initial_metrics", None)
-            first = initial(st) if initial is not None else None
-            if first and writer is not None:
-                writer.log({"step": st.step, "policy_version": st.policy_version, **first})
-            while st.step < t.steps:
-                t0 = time.perf_counter()
-                hook.before_lease(st)
-                try:
-                    leased = source.next()
-                except BadBatchError:
-                    if st.step > saved_at:
-                        save_checkpoint(st, ckpt_dir)
-                    raise
-                if leased is None:
-                    break
-                try:
-                    metrics = train_step(st, leased.batch)
-                    st.policy_version += 1
-                    st.groups_consumed += leased.batch.num_groups
-                    st.samples_consumed += len(leased.batch.samples)
-                    source.set_policy_version(st.policy_version)
-                    extra = hook.after_update(st, st.policy_version) or {}
-                except BaseException:
-                    source.finish(leased, ok=False)
-                    raise
-                source.finish(leased, ok=True)
-                dt = time.perf_counter() - t0
-                last = {**metrics, **extra, "policy_version": st.policy_version, "weight_version": st.policy_version,
-                        "data_weight_version": leased.weight_version,
-                        "kl": metrics.get("kl", metrics.get("approx_kl")), "lease_wait_s": leased.wait_s,
-                        "staleness": st.policy_version - 1 - leased.weight_version,
-                        "samples_per_s": len(leased.batch.samples) / dt if dt > 0 else 0.0, "iteration_s": dt}
-                if writer is not None:
-                    writer.log(last)
-                if t.save_every and st.step % t.save_every == 0:
-                    save_checkpoint(st, ckpt_dir)
-                    saved_at = st.step
-                if stop.agreed():
-                    stopped = True
-                    break
-            stopped = stopped or stop.agreed()   # e.g. rank 0 was told while waiting for groups
-            if st.step > saved_at:
-                save_checkpoint(st, ckpt_dir)
+            loop = LOOPS[rollout_mode(cfg)]
+            try:
+                stopped = loop(Run(st, t.steps, source, rollout, ckpt, metrics, stop))
+            except BadBatchError:   # raised by the lease only: nothing of the bad batch was trained
+                ckpt.save(st.step, last=True)
+                raise
+            ckpt.save(st.step, last=True)
             if stopped:
-                log.info("stopped at step %d on request; checkpoint in %s", st.step, ckpt_dir)
+                log.info("stopped at step %d on request; checkpoint in %s", st.step, ckpt.directory)
             elif t.export_hf:
                 export_hf(st, cfg.resolved_path(t.export_hf_dir, "hf"), cfg.model)
-        finally:
-            stop.uninstall()
-            hook.close()
-            source.close()
-            if writer is not None:
-                writer.close()
         return {"rank": info.rank, "step": st.step, "policy_version": st.policy_version,
-                "groups_consumed": st.groups_consumed, "last": last, "stopped": stopped}
+                "groups_consumed": st.groups_consumed, "last": metrics.last, "stopped": stopped}
     finally:
         destroy_distributed()
 

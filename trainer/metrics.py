@@ -1,4 +1,13 @@
-"""Per-step trainer metrics: one JSON object per line, and optionally TensorBoard scalars.
+"""Per-step trainer metrics: the row of a step (``step_row`` / ``StepMetrics``) and where it goes
+(``MetricsWriter``: one JSON object per line, and optionally TensorBoard scalars).
+
+A step's row is ``train_step``'s metrics, the rollout's phase times (``generate_s``,
+``weight_sync_s``, ...), the evaluation when one ran (``eval_score``, ...), and the loop's own
+columns: ``policy_version`` (= ``weight_version``), ``data_weight_version`` (the oldest policy that
+generated a group of the batch), ``staleness``, ``lease_wait_s``, ``iteration_s`` and
+``samples_per_s``. Two KL columns, never one that changes meaning: ``approx_kl`` (the updated
+policy against the policy that computed the old logprobs, every step) and ``kl_ref`` (against the
+frozen reference, only when ``trainer.kl_coef > 0``).
 
 Guarantees: each ``log`` call appends exactly one complete line and flushes it (readers such as
 ``headrace run``'s progress bar see whole lines only); non-finite floats are written as null so
@@ -13,6 +22,54 @@ import math
 import time
 from pathlib import Path
 from typing import Any
+
+
+def step_row(train: dict[str, Any], *, policy_version: int, data_weight_version: int, lease_wait_s: float,
+             samples: int, iteration_s: float, phases: dict[str, Any] | None = None,
+             evals: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The metrics row of one step (see the module docstring)."""
+    if "kl" in train:
+        raise ValueError("train metrics carry an ambiguous 'kl' column; name it kl_ref or approx_kl")
+    return {**train, **(phases or {}), **(evals or {}),
+            "policy_version": policy_version, "weight_version": policy_version,
+            "data_weight_version": data_weight_version, "staleness": policy_version - 1 - data_weight_version,
+            "lease_wait_s": lease_wait_s, "iteration_s": iteration_s,
+            "samples_per_s": samples / iteration_s if iteration_s > 0 else 0.0}
+
+
+class StepMetrics:
+    """Builds each step's row on every rank and writes it where ``writer`` is set (rank 0).
+
+    ``start_step`` starts the iteration clock; ``log_step`` stops it, so ``iteration_s`` covers
+    everything the loop did for the step (generation, lease wait, training, sync, ack, evaluation).
+    """
+
+    def __init__(self, writer: "MetricsWriter | None") -> None:
+        self.writer = writer
+        self.last: dict[str, Any] = {}
+        self._t0 = time.perf_counter()
+
+    def start_step(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def log_baseline(self, step: int, policy_version: int, evals: dict[str, Any]) -> None:
+        """The evaluation before the first step of a fresh run, as a row of its own (if there is one)."""
+        if evals and self.writer is not None:
+            self.writer.log({"step": step, "policy_version": policy_version, **evals})
+
+    def log_step(self, train: dict[str, Any], policy_version: int, leased: Any, phases: dict[str, Any],
+                 evals: dict[str, Any]) -> dict[str, Any]:
+        """Build (and on rank 0 write) the row of the step that trained on ``leased`` (a ``Leased``)."""
+        self.last = step_row(train, policy_version=policy_version, data_weight_version=leased.weight_version,
+                             lease_wait_s=leased.wait_s, samples=len(leased.batch.samples),
+                             iteration_s=time.perf_counter() - self._t0, phases=phases, evals=evals)
+        if self.writer is not None:
+            self.writer.log(self.last)
+        return self.last
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 def _clean(v: Any) -> Any:

@@ -6,7 +6,9 @@ weights (with one epoch and one mini-batch the update's own forward, detached, g
 logprobs: the weights cannot have changed in between) -> advantages per group (KL optionally folded into the reward first) -> for each PPO epoch
 and mini-batch: forward, loss, backward per micro-batch (gradient accumulation), sum gradients over
 DP, clip the global grad norm, optimizer step -> advance the LR schedule. It returns the step's
-metrics, identical on every rank.
+metrics, identical on every rank. Two KL metrics that never stand in for each other: ``approx_kl``
+(token mean of log old - log new, how far the update moved the policy; every step) and ``kl_ref``
+(the ``kl_kind`` estimate of KL to the frozen reference; only when ``kl_coef > 0``).
 
 Guarantees:
 - Every rank must call it with the same ``TrainBatch`` (the loop broadcasts it). Loss weights use
@@ -163,7 +165,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
         s = _policy_stats(all_mbs, info)
 
     # ---- optimisation
-    acc = dict.fromkeys(["loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "tis_weight"], 0.0)
+    acc = dict.fromkeys(["loss", "pg_loss", "kl_ref", "entropy", "clip_fraction", "approx_kl", "tis_weight"], 0.0)
     norms: list[float] = []
     n_updates = 0
     for _ in range(cfg.ppo_epochs):
@@ -193,7 +195,7 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
                 if use_ref and not cfg.kl_in_reward:
                     kl = (kl_penalty(lp, mb.extras["ref"], cfg.kl_kind) * w).sum()
                     loss = loss + cfg.kl_coef * kl
-                    part["kl"] += float(kl.detach())
+                    part["kl_ref"] += float(kl.detach())
                 ent_agg = (ent * w).sum()
                 if cfg.entropy_coef > 0:
                     loss = loss - cfg.entropy_coef * ent_agg
@@ -227,9 +229,9 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     if cfg.tis_cap is None:
         out.pop("tis_weight")
     if not use_ref:
-        out.pop("kl")
+        out.pop("kl_ref")
     elif cfg.kl_in_reward:  # token-mean KL(old || ref) that went into the rewards
-        out["kl"] = kl_reward_tokens / max(s["tok"], 1.0)
+        out["kl_ref"] = kl_reward_tokens / max(s["tok"], 1.0)
     out.update(
         step=st.step, lr=lr, grad_norm=sum(norms) / max(len(norms), 1),
         reward_mean=float(ok.mean()) if ok.numel() else float("nan"),

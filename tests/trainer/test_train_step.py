@@ -191,10 +191,13 @@ def test_algorithm_variants_run_and_report(model_dir):
         for k in ("loss", "pg_loss", "grad_norm", "entropy", "approx_kl"):
             assert math.isfinite(m2[k]), (v, k)
         assert m1["grad_norm"] > 0, v
+        assert "kl" not in m2, v                            # two KL columns, never one that changes meaning
         if v.get("kl_coef"):
-            assert m2["kl"] != 0, v                         # the policy left the reference (k1 may be < 0)
+            assert m2["kl_ref"] != 0, v                     # the policy left the reference (k1 may be < 0)
+        else:
+            assert "kl_ref" not in m2, v                    # no reference model: no KL-to-reference column
         if v.get("kl_in_reward"):
-            assert m1["kl"] == 0.0, v                        # measured before the first update: policy == reference
+            assert m1["kl_ref"] == 0.0, v                    # measured before the first update: policy == reference
             assert m2["reward_mean"] == m1["reward_mean"]  # the rollout's rewards are reported, not KL-shaped
         if v.get("warmup_steps"):
             assert (m1["lr"], m2["lr"]) == pytest.approx((5e-4, 1e-3))      # linear warmup over 2 steps

@@ -108,6 +108,7 @@ def test_twenty_steps_train_only_learns_and_acks(tmp_path, model_dir, buffer):
     for key in ("loss", "pg_loss", "entropy", "clip_fraction", "approx_kl", "grad_norm", "reward_mean",
                 "reward_std", "response_length", "rollout_logprob_abs_diff", "tokens_per_s"):
         assert key in rows[-1], key
+    assert "kl" not in rows[-1] and "kl_ref" not in rows[-1]   # approx_kl only: no reference model (kl_coef 0)
     assert rows[0]["reward_mean"] == pytest.approx(0.5)
     with BufferClient(buffer) as c:
         s = c.stats()
@@ -132,7 +133,7 @@ def _bad_group(kind: str, gid: str, vocab: int = 512) -> Group:
 def test_lease_source_releases_bad_batches(tmp_path, buffer, kind, match):
     """Rank 0's lease path alone (no model needed): real HTTP, real buffer."""
     from headrace.trainer.batch import BadBatchError
-    from headrace.trainer.loop import LeaseSource
+    from headrace.trainer.lease import LeaseSource
 
     groups = synthetic_groups(GROUPS_PER_STEP - 1) if kind != "empty" else []
     groups.append(_bad_group(kind, "the-bad-one"))

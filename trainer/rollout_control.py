@@ -1,0 +1,202 @@
+"""The trainer's control of the rollout service: the phases of the RL loop that are not training.
+
+``RolloutControl`` is what ``trainer.loop`` calls for every phase that involves the engines:
+generate a batch on demand, release and resume their memory, pause, sync weights, resume at a
+version, evaluate. Every method is called on every trainer rank; an implementation decides which
+ranks act (here: only global rank 0 talks HTTP; the ranks of data-parallel replica 0 take part in
+the TP gather of a weight sync).
+
+- ``NoRollout``: every phase does nothing (train-only mode: no rollout URL; or engines that load
+  checkpoints themselves). A base class for plugins that override only some phases.
+- ``EngineControl``: the rollout service over HTTP and weight sync to its engines over
+  torch.distributed (``headrace.shared.weight_sync.WeightSender``).
+
+``build_rollout_control`` picks one: the plugin named by ``trainer.weight_sync_hook:
+module:function`` when set (called on every rank as ``factory(config, info, rollout_url)``; the
+object it returns implements ``RolloutControl``), else ``EngineControl`` with a rollout URL and
+``NoRollout`` without.
+
+Guarantees of ``EngineControl``: the rollout resumes only after every engine confirmed the new
+weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
+engine, and the step fails with its lease released); evaluation (``eval_score`` = pass@1 on the
+held-out prompts, ``eval_reward_mean``) runs at step 0 of a fresh run, every ``run.eval_every``
+steps and at the last step (``trainer.steps``): it owns that cadence like the checkpointer owns its
+own; memory released for a step that then fails is resumed at ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+from headrace.shared.config import HeadraceConfig
+
+log = logging.getLogger("headrace.trainer.rollout")
+
+
+class RolloutControl(Protocol):
+    """The rollout phases of the loop; called on every trainer rank, in the loop's order."""
+
+    def generate(self) -> None:
+        """On-demand: have the rollout generate ``groups_per_step`` groups into the buffer with the current policy."""
+
+    def release_memory(self) -> None:
+        """On-demand: the engines free their device memory for the trainer."""
+
+    def resume_memory(self) -> None:
+        """On-demand: the engines take their memory back (before a weight sync)."""
+
+    def pause(self) -> None:
+        """Continuous: stop generation (requests in flight are aborted) before a weight sync."""
+
+    def sync_weights(self, st: Any) -> None:
+        """Push ``st.model``'s weights to every engine as version ``st.policy_version`` (a collective)."""
+
+    def resume(self, version: int) -> None:
+        """Generation may go on; what the engines generate now is tagged with ``version``."""
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Evaluation metrics when ``step`` is due for one (its own cadence), else ``{}``."""
+
+    def phase_times(self) -> dict[str, float]:
+        """Seconds each phase took since the last call (``generate_s``, ``weight_sync_s``, ...); resets."""
+
+    def close(self) -> None:
+        """At the end of training (also after an error)."""
+
+
+class NoRollout:
+    """No rollout to control: every phase is a no-op (train-only mode). Subclass to override some."""
+
+    def generate(self) -> None:
+        pass
+
+    def release_memory(self) -> None:
+        pass
+
+    def resume_memory(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def sync_weights(self, st: Any) -> None:
+        pass
+
+    def resume(self, version: int) -> None:
+        pass
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def phase_times(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class EngineControl:
+    """The rollout service and its engines (see the module docstring)."""
+
+    def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str) -> None:
+        self.cfg, self.info = cfg, info
+        self.rank0 = info.rank == 0
+        self.gathers = info.dp_rank == 0          # TP ranks of replica 0 join the hf_state_dict collective
+        self.rollout = None
+        self.sender = None
+        if self.rank0:
+            from headrace.shared.rollout_client import RolloutClient
+
+            self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s))
+        self.released = False
+        self.times: dict[str, float] = {}
+
+    def _timed(self, name: str, call: Any) -> None:
+        """Rank 0: make the HTTP call and record its time as this step's ``name``."""
+        if self.rank0:
+            t0 = time.perf_counter()
+            call()
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def generate(self) -> None:
+        self._timed("generate_s", lambda: self.rollout.generate_batch(self.cfg.rollout.groups_per_step))
+
+    def release_memory(self) -> None:
+        self._timed("release_memory_s", lambda: self.rollout.release_memory())
+        self.released = self.rank0
+
+    def resume_memory(self) -> None:
+        self._timed("resume_memory_s", lambda: self.rollout.resume_memory())
+        self.released = False
+
+    def pause(self) -> None:
+        self._timed("pause_s", lambda: self.rollout.pause("abort"))
+
+    def resume(self, version: int) -> None:
+        self._timed("resume_s", lambda: self.rollout.resume(version))
+
+    def sync_weights(self, st: Any) -> None:
+        if not self.gathers:
+            return
+        t0 = time.perf_counter()
+        named = st.model.hf_state_dict()
+        if not self.rank0:
+            for _ in named:      # other TP ranks of replica 0: take part in the gather collectives
+                pass
+            return
+        if self.sender is None:
+            self.sender = self._connect()
+        self.sender.update(named, st.policy_version)
+        self.times["weight_sync_s"] = time.perf_counter() - t0
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        every = self.cfg.run.eval_every
+        if not (self.rank0 and every and (step % every == 0 or step == self.cfg.trainer.steps)):
+            return {}
+        t0 = time.perf_counter()
+        res = self.rollout.evaluate()
+        log.info("step %d: eval score %.3f (n=%d)", step, res["score"], res["n"])
+        return {"eval_score": res["score"], "eval_reward_mean": res["reward_mean"], "eval_n": res["n"],
+                "eval_s": time.perf_counter() - t0}
+
+    def phase_times(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+    def _connect(self) -> Any:
+        import torch
+
+        from headrace.shared.weight_sync import WeightSender
+
+        t = self.cfg.trainer
+        engines = self.rollout.engines()
+        sender = WeightSender(engines, backend="nccl" if torch.cuda.is_available() else "gloo",
+                              master_address=t.sync_address, bucket_bytes=int(t.bucket_mb * (1 << 20)),
+                              timeout_s=t.sync_timeout_s)
+        sender.connect()
+        log.info("weight-sync group joined by %d engine(s): %s", len(engines), ", ".join(e.url for e in engines))
+        return sender
+
+    def close(self) -> None:
+        if self.rank0:
+            try:
+                if self.released:
+                    self.rollout.resume_memory()
+            except Exception as e:  # closing after an error: report, don't mask the original
+                log.warning("resume_memory at close failed: %s", e)
+            if self.sender is not None:
+                self.sender.close()
+            self.rollout.close()
+
+
+def build_rollout_control(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> RolloutControl:
+    """The plugin of ``trainer.weight_sync_hook`` (``factory(config, info, rollout_url)``) when set;
+    else ``EngineControl`` with a rollout URL, ``NoRollout`` without."""
+    spec = cfg.trainer.weight_sync_hook
+    if spec:
+        from headrace.shared.plugins import load_plugin
+
+        return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
+    return NoRollout() if rollout_url is None else EngineControl(cfg, info, rollout_url)
