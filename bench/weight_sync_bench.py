@@ -63,7 +63,7 @@ def start_engines(target: str, model_dir: Path | None, n: int, logdir: Path,
                   in_place: bool = False) -> tuple[list[subprocess.Popen], list[str]]:
     import httpx
 
-    from headrace.shared.weight_sync import free_port
+    from headrace.shared.procs import free_port
 
     procs, urls = [], []
     for i in range(n):
@@ -127,7 +127,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from headrace.shared.weight_sync import EngineTarget, WeightSender, free_port, join_update_group
+    from headrace.shared.procs import free_port
+    from headrace.shared.weight_sync import EngineTarget, WeightSender, join_update_group
 
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)

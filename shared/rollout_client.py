@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from headrace.shared.weight_sync import EngineTarget
+from headrace.shared.weight_sync.protocol import EngineTarget
 
 
 class RolloutError(RuntimeError):

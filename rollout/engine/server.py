@@ -17,7 +17,8 @@ Guarantees:
 - Bad input is a 400 ``{"error": {"message": ...}}`` naming the problem; the server keeps serving.
   Generation while the weights are released, or after a failed weight update left them partly
   written, is a 503 with the reason.
-- Weight updates: see ``rollout.engine.updates`` (session rules, receiver thread, disk loads).
+- Weight updates: see ``rollout.engine.updates`` (disk loads, memory) and ``rollout.engine.session``
+  (the update session's rules).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from headrace.rollout.engine.model import DecoderModel, resolve_dtype
 from headrace.rollout.engine.sampling import parse_sampling_params
 from headrace.rollout.engine.scheduler import Scheduler, Seq
 from headrace.rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
-from headrace.rollout.engine.updates import WeightUpdates, json_response
+from headrace.rollout.engine.http import json_response
+from headrace.rollout.engine.updates import WeightUpdates
 
 log = logging.getLogger("headrace.engine")
 VERSION = "0.5.23-headrace-reference"
@@ -84,7 +86,6 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens, logprob_mode=logprob_mode,
                                    weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
         self.updates = WeightUpdates(self, weight_sync_timeout_s)
-        self.broken: str | None = None    # set when a failed update left weights partly written
 
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` on the scheduler thread and await its result."""
@@ -203,8 +204,9 @@ class Engine:
         if self.scheduler.released:
             return (f"memory is released ({', '.join(sorted(self.scheduler.released))}): "
                     "call /resume_memory_occupation before generating")
-        if self.broken:
-            return f"weights are partly updated after a failed update ({self.broken}); run a full update first"
+        broken = self.updates.session.broken
+        if broken:
+            return f"weights are partly updated after a failed update ({broken}); run a full update first"
         return None
 
     async def generate(self, body: Any) -> Any:
@@ -371,7 +373,7 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
         await engine.run(engine.scheduler.resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    engine.updates.register(app, _json)
+    engine.updates.register(app)
     return app
 
 

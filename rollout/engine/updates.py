@@ -1,16 +1,13 @@
 """Weight and memory endpoints of the reference engine, with SGLang 0.5.23's names and rules.
 
 Guarantees:
-- ``/init_weights_update_group`` joins the trainer's process group through
-  ``rollout.engine.weights.WeightReceiver`` (its ``init_group`` blocks on the rendezvous, so it
-  runs in a worker thread); one group at a time; ``/destroy_weights_update_group`` leaves it.
-- ``/update_weights_from_distributed`` is accepted only inside a ``/begin_weight_update`` ...
-  ``/end_weight_update`` session (400 otherwise, as SGLang). While a session is open the
-  scheduler runs no step, so no token is generated with a mix of old and new tensors. The
-  receiver gets the tensors in ``names`` order in a worker thread; then the scheduler thread
-  copies them in (``DecoderModel.load_weights``) and the weight version is set.
-- A failed update inside a session leaves the engine refusing ``/generate`` (503) until a later
-  session or disk load succeeds: a partial update is an error, never silently served.
+- The weight-update group and session (``/init_weights_update_group``, ``/begin_weight_update``,
+  ``/update_weights_from_distributed``, ``/end_weight_update``, ``/destroy_weights_update_group``)
+  are ``rollout.engine.session.UpdateSession`` over ``SchedulerTarget``: while a session is open
+  the scheduler runs no step, so no token is generated with a mix of old and new tensors; received
+  tensors are copied in on the scheduler thread (``DecoderModel.load_weights``) together with the
+  weight version. A failed update leaves ``session.broken`` set and the engine refusing
+  ``/generate`` (503) until a later session or a disk load succeeds.
 - ``/update_weights_from_disk`` loads every weight of a HF directory (all checked before any is
   copied). ``/release_memory_occupation`` really frees memory on CPU: tag ``weights`` writes the
   weights to a temporary safetensors file and drops the tensors, tag ``kv_cache`` retracts the
@@ -24,27 +21,53 @@ import asyncio
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
-import orjson
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from headrace.rollout.engine.http import answer, json_body, json_response
 from headrace.rollout.engine.model import DecoderModel, iter_safetensors
-
-if TYPE_CHECKING:
-    from headrace.rollout.engine.server import Engine
+from headrace.rollout.engine.scheduler import Scheduler
+from headrace.rollout.engine.session import UpdateSession
+from headrace.rollout.engine.weight_routes import add_weight_routes
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def json_response(obj: Any, status: int = 200) -> Response:
-    """A JSON answer serialised with orjson."""
-    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+class EngineState(Protocol):
+    """What these endpoints use of the engine (``rollout.engine.server.Engine``)."""
+
+    model_path: str
+    model: DecoderModel
+    scheduler: Scheduler
 
 
-def _answer(ok: bool, message: str, **extra: Any) -> Response:
-    return json_response({"success": ok, "message": message, **extra}, 200 if ok else 400)
+class SchedulerTarget:
+    """The reference engine's model as the session's ``WeightTarget``: every change runs on the
+    scheduler thread, between two steps."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def _on_scheduler(self, fn: Callable[[], Any]) -> Any:
+        return self.scheduler.call(fn).result()
+
+    def set_updating(self, updating: bool) -> None:
+        self._on_scheduler(lambda: setattr(self.scheduler, "updating", updating))
+
+    def param_view(self, name: str) -> torch.Tensor | None:
+        return self.scheduler.model.param_view(name)
+
+    def load(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        self._on_scheduler(lambda: self.scheduler.load_weights(named, version))
+
+    def abort_all(self, reason: str) -> None:
+        self._on_scheduler(lambda: self.scheduler.abort(None, reason))
+
+    def flush_cache(self) -> None:
+        self._on_scheduler(self.scheduler.flush_cache)
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -59,17 +82,15 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
 
 
 class WeightUpdates:
-    """State of the weight-update group, the update session and released memory."""
+    """The weight-update session, disk loads and released memory of one reference engine."""
 
-    def __init__(self, engine: "Engine", timeout_s: float) -> None:
-        self.engine, self.timeout_s = engine, timeout_s
-        self.receiver: Any = None
-        self.group_name: str | None = None
-        self.session_error: str | None = None
+    def __init__(self, engine: EngineState, timeout_s: float) -> None:
+        self.engine = engine
+        self.session = UpdateSession(SchedulerTarget(engine.scheduler), timeout_s=timeout_s)
         self.stash_dir: str | None = None
-        self._lock = asyncio.Lock()
 
-    # ---- helpers ----------------------------------------------------------------------------
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.engine.scheduler.call(fn))
 
     def _stash(self, model: DecoderModel) -> None:
         from safetensors.torch import save_file
@@ -84,105 +105,7 @@ class WeightUpdates:
         shutil.rmtree(self.stash_dir, ignore_errors=True)
         self.stash_dir = None
 
-    async def _set_session(self, open_: bool) -> None:
-        sch = self.engine.scheduler
-        await self.engine.run(lambda: setattr(sch, "updating", open_))
-
     # ---- endpoints --------------------------------------------------------------------------
-
-    async def init_group(self, body: dict[str, Any]) -> Response:
-        try:
-            addr = _field(body, "master_address", str)
-            port = _field(body, "master_port", int)
-            rank_offset = _field(body, "rank_offset", int)
-            world_size = _field(body, "world_size", int)
-            group = _field(body, "group_name", str, "weight_update_group")
-            backend = _field(body, "backend", str, "nccl")
-        except ValueError as e:
-            return _answer(False, f"init_weights_update_group: {e}")
-        if self.receiver is not None:
-            return _answer(False, f"a weight update group ({self.group_name}) already exists; destroy it first")
-        if not 1 <= rank_offset < world_size:
-            return _answer(False, f"rank_offset {rank_offset} must be in [1, world_size={world_size})")
-        try:
-            from headrace.rollout.engine.weights import WeightReceiver
-        except ImportError as e:
-            return _answer(False, f"weight receiver unavailable (rollout.engine.weights): {e}")
-        receiver = WeightReceiver()
-        try:
-            await asyncio.to_thread(receiver.init_group, addr, port, rank_offset, world_size, group, backend,
-                                    self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - reported to the caller
-            return _answer(False, f"Failed to init process group {group}: {e}")
-        self.receiver, self.group_name = receiver, group
-        return _answer(True, "Succeeded to initialize custom process group.")
-
-    async def destroy_group(self, body: dict[str, Any]) -> Response:
-        group = body.get("group_name") or "weight_update_group"
-        if self.receiver is None or group != self.group_name:
-            return _answer(False, f"no weight update group named {group!r}")
-        receiver, self.receiver, self.group_name = self.receiver, None, None
-        try:
-            await asyncio.to_thread(receiver.destroy)
-        except Exception as e:  # noqa: BLE001
-            return _answer(False, f"destroying group {group} failed: {e}")
-        return _answer(True, f"Succeeded to destroy process group {group}.")
-
-    async def begin(self, body: dict[str, Any]) -> Response:
-        if self.engine.scheduler.updating:
-            return _answer(False, "a weight update session is already open; call /end_weight_update first")
-        await self._set_session(True)
-        self.session_error = None
-        return _answer(True, "Weight update session started.")
-
-    async def end(self, body: dict[str, Any]) -> Response:
-        if not self.engine.scheduler.updating:
-            return _answer(False, "no weight update session is open (call /begin_weight_update first)")
-        await self._set_session(False)
-        if self.session_error:
-            return _answer(False, f"the session had a failed update: {self.session_error}")
-        self.engine.broken = None
-        return _answer(True, "Weight update session ended.")
-
-    async def from_distributed(self, body: dict[str, Any]) -> Response:
-        if not self.engine.scheduler.updating:
-            return _answer(False, "update_weights_from_distributed outside a weight update session: "
-                                  "call /begin_weight_update first")
-        try:
-            names = _field(body, "names", list)
-            dtypes = _field(body, "dtypes", list)
-            shapes = _field(body, "shapes", list)
-            group = _field(body, "group_name", str, "weight_update_group")
-            version = _field(body, "weight_version", str, None)
-            load_format = _field(body, "load_format", str, None)
-            flush = _field(body, "flush_cache", bool, True)
-            abort_all = _field(body, "abort_all_requests", bool, False)
-        except ValueError as e:
-            return _answer(False, f"update_weights_from_distributed: {e}")
-        if load_format is None and not (len(names) == len(dtypes) == len(shapes)):
-            return _answer(False, f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-        if self.receiver is None or group != self.group_name:
-            return _answer(False, f"no weight update group named {group!r}: call /init_weights_update_group first")
-        sch = self.engine.scheduler
-        if abort_all:
-            await self.engine.run(lambda: sch.abort(None, "Abort by update_weights_from_distributed"))
-        async with self._lock:
-            try:
-                # per-tensor broadcasts land directly in the model's parameters (no decoding runs
-                # inside a session, and a failed update leaves the engine refusing to serve anyway)
-                named = await asyncio.to_thread(self.receiver.receive, names, dtypes, shapes, load_format,
-                                                sch.model.param_view)
-                await self.engine.run(lambda: sch.load_weights(named, version))
-            except Exception as e:  # noqa: BLE001 - the update failed: refuse to serve a mix
-                self.session_error = f"{type(e).__name__}: {e}"
-                self.engine.broken = self.session_error
-                return _answer(False, f"Failed to update parameter online: {self.session_error}")
-        if flush:
-            await self.engine.run(sch.flush_cache)
-        msg = "Succeeded to update parameter online."
-        if version is not None:
-            msg += f" Weight version updated to {version}."
-        return _answer(True, msg)
 
     async def from_disk(self, body: dict[str, Any]) -> Response:
         try:
@@ -190,10 +113,10 @@ class WeightUpdates:
             version = _field(body, "weight_version", str, None)
             abort_all = _field(body, "abort_all_requests", bool, False)
         except ValueError as e:
-            return _answer(False, f"update_weights_from_disk: {e}", num_paused_requests=0)
+            return answer(False, f"update_weights_from_disk: {e}", num_paused_requests=0)
         model, sch = self.engine.model, self.engine.scheduler
         if sch.released:
-            return _answer(False, "memory is released: resume it before updating weights", num_paused_requests=0)
+            return answer(False, "memory is released: resume it before updating weights", num_paused_requests=0)
         try:
             named = await asyncio.to_thread(lambda: list(iter_safetensors(path)))
             have = {n for n, _ in named}
@@ -201,17 +124,17 @@ class WeightUpdates:
             if missing:
                 raise ValueError(f"{len(missing)} weights missing, e.g. {missing[:3]}")
             if abort_all:
-                await self.engine.run(lambda: sch.abort(None, "Abort by update_weights_from_disk"))
-            await self.engine.run(lambda: sch.load_weights(named, version))
+                await self._run(lambda: sch.abort(None, "Abort by update_weights_from_disk"))
+            await self._run(lambda: sch.load_weights(named, version))
         except Exception as e:  # noqa: BLE001
-            return _answer(False, f"Failed to update weights from {path}: {e}", num_paused_requests=0)
+            return answer(False, f"Failed to update weights from {path}: {e}", num_paused_requests=0)
         self.engine.model_path = path
-        self.engine.broken = None
-        await self.engine.run(sch.flush_cache)
+        self.session.whole_model_loaded()
+        await self._run(sch.flush_cache)
         msg = "Succeeded to update model weights."
         if version is not None:
             msg += f" Weight version updated to {version}."
-        return _answer(True, msg, num_paused_requests=0)
+        return answer(True, msg, num_paused_requests=0)
 
     def _tags(self, body: dict[str, Any]) -> set[str]:
         tags = body.get("tags")
@@ -225,19 +148,19 @@ class WeightUpdates:
         try:
             tags = self._tags(body)
         except ValueError as e:
-            return _answer(False, str(e))
+            return answer(False, str(e))
         sch = self.engine.scheduler
-        await self.engine.run(lambda: sch.release(tags, self._stash))
-        return _answer(True, f"Released {', '.join(sorted(sch.released)) or 'nothing'}.")
+        await self._run(lambda: sch.release(tags, self._stash))
+        return answer(True, f"Released {', '.join(sorted(sch.released)) or 'nothing'}.")
 
     async def resume(self, body: dict[str, Any]) -> Response:
         try:
             tags = self._tags(body)
         except ValueError as e:
-            return _answer(False, str(e))
+            return answer(False, str(e))
         sch = self.engine.scheduler
-        await self.engine.run(lambda: sch.resume_memory(tags, self._unstash))
-        return _answer(True, f"Resumed; still released: {', '.join(sorted(sch.released)) or 'nothing'}.")
+        await self._run(lambda: sch.resume_memory(tags, self._unstash))
+        return answer(True, f"Resumed; still released: {', '.join(sorted(sch.released)) or 'nothing'}.")
 
     async def weights_by_name(self, body: dict[str, Any]) -> Response:
         name = body.get("name")
@@ -245,29 +168,27 @@ class WeightUpdates:
         if not isinstance(name, str) or not isinstance(size, int) or size < 1:
             return json_response({"error": {"message": "name (string) and truncate_size (int >= 1) required"}}, 400)
         try:
-            t = await self.engine.run(lambda: self.engine.model.get_weight(name)[:size].float().tolist())
+            t = await self._run(lambda: self.engine.model.get_weight(name)[:size].float().tolist())
         except KeyError as e:
             return json_response({"error": {"message": str(e)}}, 400)
         return json_response(t)
 
-    def register(self, app: FastAPI, read_json: Callable[[Request], Awaitable[Any]]) -> None:
-        routes = {"/init_weights_update_group": self.init_group, "/destroy_weights_update_group": self.destroy_group,
-                  "/begin_weight_update": self.begin, "/end_weight_update": self.end,
-                  "/update_weights_from_distributed": self.from_distributed,
-                  "/update_weights_from_disk": self.from_disk,
-                  "/release_memory_occupation": self.release, "/resume_memory_occupation": self.resume,
-                  "/get_weights_by_name": self.weights_by_name}
-        for path, handler in routes.items():
-            post_only = "weight" in path and "memory" not in path and "by_name" not in path
-            app.add_api_route(path, _endpoint(handler, read_json), methods=["POST"] if post_only else ["GET", "POST"])
+    def register(self, app: FastAPI) -> None:
+        add_weight_routes(app, self.session)
+        app.add_api_route("/update_weights_from_disk", _endpoint(self.from_disk), methods=["POST"])
+        for path, handler in {"/release_memory_occupation": self.release, "/resume_memory_occupation": self.resume,
+                              "/get_weights_by_name": self.weights_by_name}.items():
+            app.add_api_route(path, _endpoint(handler), methods=["GET", "POST"])
 
 
-def _endpoint(handler: Callable[[dict[str, Any]], Awaitable[Any]],
-              read_json: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Any]]:
-    async def endpoint(request: Request) -> Any:
-        body = await read_json(request)
+def _endpoint(handler: Callable[[dict[str, Any]], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            body = await json_body(request)
+        except ValueError as e:
+            return json_response({"error": {"message": str(e)}}, 400)
         if not isinstance(body, dict):
-            return _answer(False, "the body must be a JSON object")
+            return answer(False, "the body must be a JSON object")
         return await handler(body)
 
     return endpoint

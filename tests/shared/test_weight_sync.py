@@ -1,6 +1,6 @@
 """Weight sync between real processes: WeightSender (this process, trainer rank 0) and standalone
-receivers (``python -m headrace.rollout.engine.weights``, WeightReceiver behind the SGLang weight-update
-HTTP API), over a real gloo group on loopback. Engines that die or hang mid-update are real
+receivers (``python -m headrace.rollout.engine.weights``: the engine's UpdateSession behind the SGLang
+weight-update HTTP API), over a real gloo group on loopback. Engines that die or hang mid-update are real
 processes killed (SIGKILL) or stopped (SIGSTOP) by pid."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import httpx
 import pytest
 import torch
 
-from headrace.rollout.engine.weights import WeightReceiver, tensor_digest
+from headrace.rollout.engine.receiver import WeightReceiver
+from headrace.rollout.engine.weights import tensor_digest
 from headrace.shared.weight_sync import (EngineTarget, WeightSender, WeightSyncError, engines_from_rollout,
                                 flatten_bucket, join_update_group, plan_buckets, unflatten_bucket)
 from tests.procs import Proc, child_env, free_port
@@ -258,7 +259,7 @@ def test_hung_engine_times_out_and_is_named(tmp_path: Path) -> None:
             sender.update(_killing_after(tensors, 3, lambda: os.kill(p0.pid, signal.SIGSTOP)), weight_version=1)
         assert err.value.urls == [u0] and u0 in str(err.value)
         assert time.monotonic() - t0 < 30
-        sender._http.close()  # no close(): the stopped engine would not answer
+        sender._fanout.close()  # no close(): the stopped engine would not answer
     finally:
         os.kill(p0.pid, signal.SIGCONT)
         p0.stop()
@@ -274,6 +275,6 @@ def test_engine_that_cannot_join_is_named(tmp_path: Path) -> None:
             sender.connect()
         assert err.value.urls == [dead]
         assert not sender.connected
-        sender._http.close()
+        sender._fanout.close()
     finally:
         p0.stop()

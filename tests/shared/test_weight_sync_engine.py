@@ -147,7 +147,7 @@ def test_engine_fault_mid_update_is_named(fault: str, models: tuple[Path, Path],
             sender.update(_iter_then(tensors, len(tensors) // 2, act), weight_version=8)
         assert err.value.urls == [u1] and u1 in str(err.value)
         assert model_version(u0) != "8"  # the survivor never claims the version it did not fully get
-        sender._http.close()
+        sender._fanout.close()
         if fault == "hung":
             os.kill(p1.pid, signal.SIGCONT)
             p1.kill9()
