@@ -72,7 +72,7 @@ def check_consistent(out: Path, steps: int) -> None:
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert [r["weight_version"] for r in rows] == list(range(1, steps + 1))
     for r in rows:
-        for key in ("reward_mean", "loss", "kl", "entropy", "samples_per_s"):
+        for key in ("reward_mean", "loss", "approx_kl", "entropy", "samples_per_s"):
             assert isinstance(r[key], (int, float)), (key, r)
         assert r["samples"] == GROUPS * N
         assert 0 <= r["data_weight_version"] <= r["weight_version"] - 1
