@@ -78,7 +78,8 @@ def config(
                                                    "it resolved, every key with its value"),
 ) -> None:
     """The configuration: its reference, or one file checked and resolved."""
-    from headrace.shared.config import ConfigError, config_reference, load_config
+    from headrace.shared.config import ConfigError, load_config
+    from headrace.shared.config_reference import config_reference
 
     if reference == (check is not None):
         typer.echo("headrace config: give --reference or --check FILE", err=True)

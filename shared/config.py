@@ -7,8 +7,8 @@ parsed as YAML scalars. Every key has a description (what it does, its unit, whi
 it) and a range; an unknown or out-of-range key, or keys that contradict each other, raise one
 ``ConfigError`` that names them (``buffer.capacity: ...``) before any process starts.
 
-``config_reference()`` renders every key as Markdown (``headrace config --reference``, which is
-docs/config.md). Who reads a key is the section's ``read_by`` unless the field names its own
+``shared.config_reference`` renders every key as Markdown (``headrace config --reference``, which
+is docs/config.md). Who reads a key is the section's ``read_by`` unless the field names its own
 (``json_schema_extra={"read_by": ...}``).
 
 This module imports neither torch nor any service.
@@ -16,17 +16,12 @@ This module imports neither torch nor any service.
 
 from __future__ import annotations
 
-import json
 import os
-import types
-import typing
 from pathlib import Path
-from typing import Any, ClassVar, Iterator, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
-import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
 
 ENV_PREFIX = "HEADRACE_"
 
@@ -38,7 +33,6 @@ class ConfigError(ValueError):
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     read_by: ClassVar[str] = ""
-
 
 def _by(services: str) -> dict[str, str]:
     """``json_schema_extra`` of a field read by other services than its section's."""
@@ -52,7 +46,6 @@ class BufferConfig(_Section):
     """The durable sample buffer (``headrace buffer serve``) and how its clients reach it."""
 
     read_by: ClassVar[str] = "buffer"
-
     url: str = Field(default="http://127.0.0.1:8100", min_length=1, json_schema_extra=_by("rollout, trainer"),
                      description="URL where clients reach the buffer (`--buffer-url` overrides it)")
     host: str = Field(default="127.0.0.1", min_length=1, description="interface the buffer binds")
@@ -87,7 +80,6 @@ class EnginesConfig(_Section):
     """The inference engines the rollout service generates with."""
 
     read_by: ClassVar[str] = "rollout"
-
     backend: Literal["reference", "sglang", "external"] = Field(
         default="reference", description="`reference`: launch `headrace engine serve` (CPU); `sglang`: launch "
                                          "SGLang servers; `external`: attach to `urls` started elsewhere")
@@ -132,7 +124,6 @@ class DataConfig(_Section):
     """The prompts: a jsonl / parquet file or a reasoning-gym task (one of the two)."""
 
     read_by: ClassVar[str] = "rollout"
-
     path: str | None = Field(default=None, min_length=1, description="jsonl or parquet file of prompt records "
                              "(or use `task`)")
     task: str | None = Field(default=None, min_length=1, description="reasoning-gym task name, e.g. chain_sum "
@@ -160,7 +151,6 @@ class SamplingConfig(_Section):
     """Sampling parameters of every /generate call (SGLang `sampling_params`)."""
 
     read_by: ClassVar[str] = "rollout"
-
     temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="softmax temperature (0: greedy)")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus sampling mass (1: off)")
     top_k: int = Field(default=-1, ge=-1, description="sample among the k likeliest tokens (-1: off)")
@@ -183,7 +173,6 @@ class RolloutConfig(_Section):
     """The rollout service (``headrace rollout serve``): data, engines, generation, rewards, filter."""
 
     read_by: ClassVar[str] = "rollout"
-
     url: str = Field(default="http://127.0.0.1:8200", min_length=1, json_schema_extra=_by("trainer"),
                      description="URL where the trainer reaches the rollout service (`--rollout-url` overrides it)")
     host: str = Field(default="127.0.0.1", min_length=1, description="interface the rollout service binds")
@@ -236,7 +225,6 @@ class TrainerConfig(_Section):
     """The trainer (``headrace train``): parallelism, optimizer, RL loss, checkpoints, weight sync."""
 
     read_by: ClassVar[str] = "trainer"
-
     tp: int = Field(default=1, ge=1, le=512, json_schema_extra=_by("trainer, headrace launch"),
                     description="tensor-parallel size (ranks per model replica)")
     dp: int = Field(default=1, ge=1, le=100_000, json_schema_extra=_by("trainer, headrace launch"),
@@ -308,7 +296,6 @@ class NumGpus(_Section):
     """GPUs of a Ray launch (``headrace launch``); unused on one machine."""
 
     read_by: ClassVar[str] = "headrace launch"
-
     trainer: int = Field(default=4, ge=0, le=100_000, description="GPUs of the trainer; must equal "
                          "trainer.tp x trainer.dp")
     rollout: int = Field(default=4, ge=0, le=100_000, description="GPUs of the engines: "
@@ -319,7 +306,6 @@ class RunSection(_Section):
     """The run as a whole: placement, outputs, evaluation."""
 
     read_by: ClassVar[str] = "headrace run, headrace launch"
-
     placement: Literal["colocated", "disaggregated"] = Field(
         default="disaggregated", json_schema_extra=_by("headrace run, headrace launch, trainer"),
         description="`colocated`: trainer and engines share GPUs, rollout on_demand; `disaggregated`: "
@@ -336,7 +322,6 @@ class HeadraceConfig(_Section):
     """One run: a section per service plus ``run``; ``model`` is shared by rollout and trainer."""
 
     read_by: ClassVar[str] = "rollout, trainer"
-
     model: str = Field(default="models/tiny-qwen2", min_length=1,
                        description="HF model directory (config, safetensors, tokenizer); engines load it too")
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -510,77 +495,3 @@ def rollout_mode(cfg: HeadraceConfig) -> Literal["continuous", "on_demand"]:
     ``headrace run``, the Ray launcher and the trainer all decide it here."""
     return "on_demand" if cfg.run.placement == "colocated" else cfg.rollout.mode
 
-
-# ---- reference (``headrace config --reference``, docs/config.md) ------------------------------
-
-
-def _type_name(ann: Any) -> str:
-    origin = typing.get_origin(ann)
-    if origin is Literal:
-        return "choice"
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        return " \\| ".join(_type_name(a) for a in args) + " \\| null"
-    if origin is not None:
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(ann))}]"
-    return getattr(ann, "__name__", str(ann))
-
-
-def _range(field: FieldInfo) -> str:
-    if typing.get_origin(field.annotation) is Literal:
-        return " \\| ".join(f"`{v}`" for v in typing.get_args(field.annotation))
-    lo = hi = ""
-    for m in field.metadata:
-        if isinstance(m, annotated_types.Ge):
-            lo = f">= {m.ge}"
-        elif isinstance(m, annotated_types.Gt):
-            lo = f"> {m.gt}"
-        elif isinstance(m, annotated_types.Le):
-            hi = f"<= {m.le}"
-        elif isinstance(m, annotated_types.Lt):
-            hi = f"< {m.lt}"
-        elif isinstance(m, annotated_types.MinLen):
-            lo = "non-empty"
-    return ", ".join(x for x in (lo, hi) if x)
-
-
-def _sections(model: BaseModel, prefix: str) -> Iterator[tuple[str, BaseModel]]:
-    yield prefix, model
-    for name, field in type(model).model_fields.items():
-        value = getattr(model, name)
-        if isinstance(value, _Section):
-            yield from _sections(value, f"{prefix}.{name}" if prefix else name)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def config_reference() -> str:
-    """Every config key with its type, default, range, readers and description, as Markdown."""
-    lines = ["# Configuration reference", "",
-             "<!-- generated by `headrace config --reference > docs/config.md`; edit shared/config.py instead -->", "",
-             "One YAML file configures a run, one section per service. Precedence, highest first: "
-             "command-line flags, `HEADRACE_*` environment variables (`HEADRACE_BUFFER__CAPACITY=512`: "
-             "`__` between levels), the file, the defaults below. An unknown key, a value out of range or "
-             "keys that contradict each other stop every command before any process starts, with one "
-             "message naming the keys.", "",
-             "*Read by* names the services that use a key: `buffer`, `rollout` and `trainer` are "
-             "`headrace buffer serve`, `headrace rollout serve` and `headrace train`; `headrace run` and "
-             "`headrace launch` start them all.", ""]
-    for prefix, section in _sections(HeadraceConfig(), ""):
-        cls = type(section)
-        lines += [f"## `{prefix or '(top level)'}`", "", (cls.__doc__ or "").strip().replace("``", "`"), "",
-                  "| key | type | default | range | read by | description |", "|---|---|---|---|---|---|"]
-        for name, field in cls.model_fields.items():
-            value = getattr(section, name)
-            if isinstance(value, _Section):
-                continue
-            key = f"{prefix}.{name}" if prefix else name
-            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
-            default = json.dumps(value.model_dump(mode="json") if isinstance(value, BaseModel) else
-                                 list(value) if isinstance(value, tuple) else value)
-            lines.append(f"| `{key}` | {_type_name(field.annotation)} | `{default}` | {_range(field)} | "
-                         f"{extra.get('read_by', cls.read_by)} | {_cell(field.description or '')} |")
-        lines.append("")
-    return "\n".join(lines)

@@ -12,8 +12,9 @@ import annotated_types
 import pytest
 from pydantic import BaseModel
 
-from headrace.shared.config import (UNSET, ConfigError, HeadraceConfig, check_full_run, config_reference,
-                                    env_overrides, load_config, save_config)
+from headrace.shared.config import (UNSET, ConfigError, HeadraceConfig, check_full_run, env_overrides,
+                                    load_config, save_config)
+from headrace.shared.config_reference import config_reference
 from tests.procs import REPO
 
 
