@@ -89,6 +89,7 @@ def train_on_demand(r: Run) -> bool:
     else:                                       # resumed: the engines serve the restored policy first
         rollout.sync_weights(st)
         rollout.resume(st.policy_version)
+        log.info("resumed at step %d: engines now serve policy version %d", st.step, st.policy_version)
     while st.step < r.steps:
         r.metrics.start_step()
         rollout.generate()
@@ -121,6 +122,7 @@ def train_continuous(r: Run) -> bool:
         rollout.pause()
         rollout.sync_weights(st)
         rollout.resume(st.policy_version)
+        log.info("resumed at step %d: engines now serve policy version %d", st.step, st.policy_version)
     while st.step < r.steps:
         r.metrics.start_step()
         leased = source.next()
