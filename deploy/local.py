@@ -6,7 +6,7 @@ stop everything -> plot. The trainer drives the RL loop itself; this module only
 
 What a run writes to ``<out>`` (``--out``, else ``run.out``): ``config.yaml`` (the resolved config,
 absolute paths and the ports actually used), ``metrics.jsonl`` (one JSON object per step: step,
-reward_mean, loss, kl, entropy, weight_version, samples_per_s, staleness, ...; ``eval_score`` on
+reward_mean, loss, approx_kl (kl_ref with a reference), entropy, weight_version, samples_per_s, staleness, ...; ``eval_score`` on
 evaluation steps, and a step-0 row with the baseline evaluation), ``metrics.png``, ``ckpt/``
 (trainer checkpoints), ``hf/`` (the final policy as a Hugging Face directory), ``buffer.sqlite``,
 ``rollout_state.json`` (the data cursor) and ``logs/<service>.log``.

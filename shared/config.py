@@ -285,8 +285,10 @@ class TrainerConfig(_Section):
     export_hf_dir: str | None = Field(default=None, min_length=1, description="where export_hf writes; default "
                                       "`<run.out>/hf`")
     weight_sync_hook: str | None = Field(
-        default=None, min_length=1, description="module:function building the weight-sync hook (null: "
-                                                "trainer.sync.EngineSync with a rollout URL, none without)")
+        default=None, min_length=1, description="module:function `factory(config, info, rollout_url)` returning the "
+                                                "trainer's RolloutControl (generation, memory, pause, weight sync, "
+                                                "evaluation phases; null: trainer.rollout_control.EngineControl with a "
+                                                "rollout URL, NoRollout without)")
 
 
 # ---- run / placement -------------------------------------------------------------------------

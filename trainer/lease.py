@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from headrace.shared.config import HeadraceConfig
+from headrace.shared.staleness import lease_floor
 from headrace.trainer.batch import BadBatchError, TrainBatch, build_batch
 
 log = logging.getLogger("headrace.trainer")
@@ -161,7 +162,7 @@ class LeaseSource:
 
     def set_policy_version(self, v: int) -> None:
         """Tell the buffer (rank 0) the trainer's policy version; later leases skip groups too stale for it."""
-        self.min_version = max(0, v - self.cfg.buffer.max_staleness)
+        self.min_version = lease_floor(v, self.cfg.buffer.max_staleness)
         if self.client is not None:
             self.client.set_policy_version(v)
 
