@@ -32,16 +32,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-import orjson
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from headrace.rollout.engine.http import json_body, json_response
 from headrace.rollout.engine.model import DecoderModel, resolve_dtype
 from headrace.rollout.engine.sampling import parse_sampling_params
 from headrace.rollout.engine.scheduler import Scheduler, Seq
 from headrace.rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
-from headrace.rollout.engine.http import json_response
 from headrace.rollout.engine.updates import WeightUpdates
 
 log = logging.getLogger("headrace.engine")
@@ -256,13 +255,10 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _json(request: Request) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise BadRequest(f"the body is not valid JSON: {e}") from None
+        return await json_body(request)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
