@@ -71,12 +71,37 @@ class Run:
     metrics: StepMetrics
     stop: StopRequest
 
-    def publish_version(self, leased: Leased) -> None:
-        """The update is the next policy version: count the lease's groups, tell the buffer."""
+    def begin(self, *, pause_first: bool) -> None:
+        """Before the first step: a fresh run logs the step-0 evaluation; a resumed run first makes
+        the engines serve the restored policy (never the initial weights under the resumed version)."""
+        st, rollout = self.st, self.rollout
+        if st.step == 0:
+            self.metrics.log_baseline(st.step, st.policy_version, rollout.evaluate(st.step))
+            return
+        if pause_first:
+            rollout.pause()
+        rollout.sync_weights(st)
+        rollout.resume(st.policy_version)
+        log.info("resumed at step %d: engines now serve policy version %d", st.step, st.policy_version)
+
+    def train(self, leased: Leased) -> dict[str, float]:
+        """train -> publish version: the update is the next policy version; count the lease's
+        groups and tell the buffer."""
+        out = train_step(self.st, leased.batch)
         self.st.policy_version += 1
         self.st.groups_consumed += leased.batch.num_groups
         self.st.samples_consumed += len(leased.batch.samples)
         self.source.set_policy_version(self.st.policy_version)
+        return out
+
+    def end_step(self, leased: Leased, train: dict[str, float]) -> bool:
+        """ack -> evaluate -> metrics row -> checkpoint (the checkpointer decides) -> agree on a
+        stop. True when every rank agreed to stop."""
+        self.source.ack(leased)
+        st = self.st
+        self.metrics.log_step(train, st.policy_version, leased, self.rollout.phase_times(), self.rollout.evaluate(st.step))
+        self.ckpt.save(st.step)
+        return self.stop.agreed()
 
 
 def train_on_demand(r: Run) -> bool:
@@ -84,12 +109,7 @@ def train_on_demand(r: Run) -> bool:
     devices to the trainer, which trains on exactly that batch and hands the new weights back.
     Returns True when stopped on request (SIGTERM), False when done or the buffer ran dry."""
     st, rollout, source = r.st, r.rollout, r.source
-    if st.step == 0:
-        r.metrics.log_baseline(st.step, st.policy_version, rollout.evaluate(st.step))
-    else:                                       # resumed: the engines serve the restored policy first
-        rollout.sync_weights(st)
-        rollout.resume(st.policy_version)
-        log.info("resumed at step %d: engines now serve policy version %d", st.step, st.policy_version)
+    r.begin(pause_first=False)
     while st.step < r.steps:
         r.metrics.start_step()
         rollout.generate()
@@ -98,15 +118,11 @@ def train_on_demand(r: Run) -> bool:
         if leased is None:                      # stop requested while waiting, or train-only and dry
             return r.stop.agreed()
         with source.release_on_failure(leased):
-            train = train_step(st, leased.batch)
-            r.publish_version(leased)
+            train = r.train(leased)             # train -> publish version
             rollout.resume_memory()
             rollout.sync_weights(st)
             rollout.resume(st.policy_version)
-        source.ack(leased)
-        r.metrics.log_step(train, st.policy_version, leased, rollout.phase_times(), rollout.evaluate(st.step))
-        r.ckpt.save(st.step)
-        if r.stop.agreed():
+        if r.end_step(leased, train):           # ack -> evaluate -> metrics -> checkpoint -> stop?
             return True
     return False
 
@@ -116,28 +132,18 @@ def train_continuous(r: Run) -> bool:
     ``buffer.max_staleness`` versions) while the trainer trains; generation pauses only for the
     weight sync. Returns True when stopped on request (SIGTERM), False when done or dry."""
     st, rollout, source = r.st, r.rollout, r.source
-    if st.step == 0:
-        r.metrics.log_baseline(st.step, st.policy_version, rollout.evaluate(st.step))
-    else:                                       # resumed: the engines serve the restored policy first
-        rollout.pause()
-        rollout.sync_weights(st)
-        rollout.resume(st.policy_version)
-        log.info("resumed at step %d: engines now serve policy version %d", st.step, st.policy_version)
+    r.begin(pause_first=True)
     while st.step < r.steps:
         r.metrics.start_step()
         leased = source.next()
         if leased is None:                      # stop requested while waiting, or train-only and dry
             return r.stop.agreed()
         with source.release_on_failure(leased):
-            train = train_step(st, leased.batch)
-            r.publish_version(leased)
+            train = r.train(leased)             # train -> publish version
             rollout.pause()
             rollout.sync_weights(st)
             rollout.resume(st.policy_version)
-        source.ack(leased)
-        r.metrics.log_step(train, st.policy_version, leased, rollout.phase_times(), rollout.evaluate(st.step))
-        r.ckpt.save(st.step)
-        if r.stop.agreed():
+        if r.end_step(leased, train):           # ack -> evaluate -> metrics -> checkpoint -> stop?
             return True
     return False
 
