@@ -8,7 +8,7 @@ raised at once as ``BufferError`` carrying the status and the server's message. 
 
 - POST /v1/groups is idempotent because the buffer dedupes by ``Sample.uid`` and ``group_id`` (a
   retry of a POST that was committed reports duplicates and stores nothing twice);
-- ack, release and policy-version updates are idempotent on the server;
+- ack, release, extend, reject and policy-version updates are idempotent on the server;
 - a lease whose answer was lost in transit is not delivered to anyone: its groups return to the
   queue when it expires, or at once if the buffer restarted.
 
@@ -63,6 +63,18 @@ def _lease_result(out: Any, validate: bool) -> LeaseResponse | None:
                                     samples=[Sample.model_construct(**s) for s in g["samples"]])
               for g in out["groups"]]
     return LeaseResponse.model_construct(lease_id=out["lease_id"], groups=groups, expires_at=out["expires_at"])
+
+
+def _extend_body(lease_s: float, trained: bool) -> dict[str, Any]:
+    return {"lease_s": float(lease_s), "trained": bool(trained)}
+
+
+def _reject_body(group_ids: list[str], reason: str) -> dict[str, Any]:
+    return {"group_ids": list(group_ids), "reason": reason}
+
+
+def _dead_letters_path(after: int | None) -> str:
+    return "/v1/dead_letters" if after is None else f"/v1/dead_letters?after={after}"
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -188,6 +200,30 @@ class BufferClient(_Base):
         """Return the lease's groups to the queue."""
         self._request("POST", f"/v1/leases/{lease_id}/release")
 
+    def extend_lease(self, lease_id: str, lease_s: float, trained: bool = False) -> dict:
+        """Move the lease's deadline to now + ``lease_s``; ``trained=True`` marks it held (trained, not
+        yet checkpointed). Answers ``{"lease_id", "expires_at", "held"}``; 409 if it already expired
+        or was settled, 404 if unknown. Idempotent, so retried like the others."""
+        return self._request("POST", f"/v1/leases/{lease_id}/extend", _extend_body(lease_s, trained))
+
+    def reject_lease(self, lease_id: str, group_ids: list[str], reason: str) -> dict:
+        """Dead-letter ``group_ids`` of the lease (with ``reason``); its other groups go back to the head
+        of the queue. Answers ``{"lease_id", "dead_lettered", "requeued"}``; a repeat answers 200 and
+        changes nothing; 409 if the lease expired or was settled otherwise, 404 if unknown."""
+        return self._request("POST", f"/v1/leases/{lease_id}/reject", _reject_body(group_ids, reason))
+
+    def dead_letters(self) -> list[dict]:
+        """Every dead-lettered group, oldest first: ``{"group_id", "lease_id", "reason", "at", ...}``
+        (the buffer answers in pages; this follows them to the end)."""
+        out: list[dict] = []
+        after: int | None = None
+        while True:
+            page = self._request("GET", _dead_letters_path(after))
+            out.extend(page["dead_letters"])
+            after = page.get("next")
+            if after is None:
+                return out
+
     def set_policy_version(self, version: int) -> None:
         """Announce the trainer's policy version; the buffer evicts groups that became too stale."""
         self._request("PUT", "/v1/policy_version", {"version": version})
@@ -250,6 +286,22 @@ class AsyncBufferClient(_Base):
 
     async def release(self, lease_id: str) -> None:
         await self._request("POST", f"/v1/leases/{lease_id}/release")
+
+    async def extend_lease(self, lease_id: str, lease_s: float, trained: bool = False) -> dict:
+        return await self._request("POST", f"/v1/leases/{lease_id}/extend", _extend_body(lease_s, trained))
+
+    async def reject_lease(self, lease_id: str, group_ids: list[str], reason: str) -> dict:
+        return await self._request("POST", f"/v1/leases/{lease_id}/reject", _reject_body(group_ids, reason))
+
+    async def dead_letters(self) -> list[dict]:
+        out: list[dict] = []
+        after: int | None = None
+        while True:
+            page = await self._request("GET", _dead_letters_path(after))
+            out.extend(page["dead_letters"])
+            after = page.get("next")
+            if after is None:
+                return out
 
     async def set_policy_version(self, version: int) -> None:
         await self._request("PUT", "/v1/policy_version", {"version": version})

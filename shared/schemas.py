@@ -165,9 +165,24 @@ class PolicyVersionRequest(_Wire):
     version: int = Field(ge=0, le=MAX_INT)
 
 
+class ExtendLeaseRequest(_Wire):
+    lease_s: float = Field(gt=0.0, le=7 * 24 * 3600.0, description="new deadline = now + lease_s")
+    trained: bool = Field(default=False, description="the lease's step is trained, not yet checkpointed: held")
+
+
+MAX_REASON = 2000
+
+
+class RejectLeaseRequest(_Wire):
+    group_ids: list[str] = Field(min_length=1, max_length=1_000_000, description="groups of this lease to dead-letter")
+    reason: str = Field(min_length=1, max_length=MAX_REASON, description="why the trainer cannot use them")
+
+
 class BufferStats(_Wire):
     queued: int
     leased: int
+    held: int = Field(default=0, description="leased groups whose step is trained, awaiting its checkpoint")
+    dead_lettered: int = Field(default=0, description="groups set aside by reject")
     consumed: int
     evicted_stale: int
     duplicates: int
