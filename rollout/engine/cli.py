@@ -26,6 +26,15 @@ def serve(
         "temperature", help="reported logprobs: temperature (SGLang's default: log softmax(logits/T)), "
                             "original (pre-temperature), processed (after top-k/top-p, renormalised)"),
     weight_sync_timeout: float = typer.Option(600.0, min=1.0, help="seconds for joining the weight-sync group"),
+    allowed_weight_dirs: Optional[list[str]] = typer.Option(
+        None, help="directories /update_weights_from_disk may load from besides the model directory (repeatable; "
+                   "resolved: no escape through .. or symlinks); anything else is 403"),
+    max_body_mb: float = typer.Option(64.0, min=0.001, max=4096.0, help="largest request body in MiB (413 beyond)"),
+    max_batch: int = typer.Option(4096, min=1, max=1_000_000, help="most sequences (prompts x n) in one /generate "
+                                  "(422 beyond)"),
+    max_queued: int = typer.Option(4096, min=1, max=1_000_000, help="most /generate requests waiting for their "
+                                   "answer (429 with Retry-After beyond)"),
+    parent_pid: Optional[int] = typer.Option(None, min=1, help="stop when this process (the launcher) is gone"),
     log_level: str = typer.Option("warning", help="uvicorn log level"),
 ) -> None:
     """Serve the reference engine (SGLang 0.5.23 HTTP API subset)."""
@@ -42,4 +51,5 @@ def serve(
     run(model, host=host, port=port, threads=threads, log_level=log_level, dtype=dtype, seed=seed,
         max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
         weight_version=weight_version, logprob_mode=logprob_mode, weight_sync_timeout_s=weight_sync_timeout,
-        batch_wait_ms=batch_wait_ms)
+        batch_wait_ms=batch_wait_ms, allowed_weight_dirs=tuple(allowed_weight_dirs or ()), max_body_mb=max_body_mb,
+        max_batch=max_batch, max_queued=max_queued, parent_pid=parent_pid)

@@ -59,6 +59,10 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
 
+class LimitError(ValueError):
+    """A value outside a bound of the engine (answered 422, not 400)."""
+
+
 def _num(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
     v = d.get(key, default)
     if v is None:
@@ -102,7 +106,7 @@ def parse_sampling_params(raw: Any, vocab_size: int) -> SamplingParams:
     if sp.top_k in (-1, 0) or sp.top_k >= vocab_size:
         sp.top_k = -1
     if not 1 <= sp.n <= 1024:
-        raise ValueError(f"sampling_params.n must be in [1, 1024], got {sp.n}")
+        raise LimitError(f"sampling_params.n must be in [1, 1024], got {sp.n}")
     stop = raw.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop

@@ -95,7 +95,7 @@ class Scheduler:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=3)   # a step in progress finishes; serve's deadline bounds the rest
 
     def alive(self) -> bool:
         return self._thread.is_alive()

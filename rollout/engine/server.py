@@ -15,6 +15,12 @@ Guarantees:
 - ``/health`` and ``/health_generate`` answer 503 while generation is paused (SGLang's run a
   generation, which a pause holds).
 - Bad input is a 400 ``{"error": {"message": ...}}`` naming the problem; the server keeps serving.
+- Bounded work (DESIGN.md "Trust"): a body over ``max_body_mb`` is a 413 before it is parsed; a
+  ``/generate`` asking for more than ``max_batch`` sequences (prompts x n), or an ``n`` outside
+  [1, 1024], is a 422 naming the limit; beyond ``max_queued`` unanswered ``/generate`` requests
+  the next is a 429 with ``Retry-After``. ``serve`` stops within ``shared.serving.DEADLINE_S`` of
+  SIGTERM whatever runs (a long generation, a weight-sync rendezvous that never answers), and
+  with ``parent_pid`` the engine stops once that process is gone.
   Generation while the weights are released, or after a failed weight update left them partly
   written, is a 503 with the reason.
 - Weight updates: see ``rollout.engine.updates`` (disk loads, memory) and ``rollout.engine.session``
@@ -36,9 +42,10 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from headrace.rollout.engine.confine import WeightDirs
 from headrace.rollout.engine.http import json_body, json_response
 from headrace.rollout.engine.model import DecoderModel, resolve_dtype
-from headrace.rollout.engine.sampling import parse_sampling_params
+from headrace.rollout.engine.sampling import LimitError, parse_sampling_params
 from headrace.rollout.engine.scheduler import Scheduler, Seq
 from headrace.rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
 from headrace.rollout.engine.updates import WeightUpdates
@@ -51,13 +58,16 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 class BadRequest(ValueError):
     """A client error; ``status`` is the HTTP status to answer."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers
 
 
-def error(message: str, status: int = 400) -> Response:
-    return json_response({"error": {"message": message}}, status)
+def error(message: str, status: int = 400, headers: dict[str, str] | None = None) -> Response:
+    r = json_response({"error": {"message": message}}, status)
+    r.headers.update(headers or {})
+    return r
 
 
 class Engine:
@@ -66,8 +76,11 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "auto", seed: int = 0, max_running_requests: int = 256,
                  max_prefill_tokens: int = 8192, logprob_mode: str = "temperature",
                  weight_version: str = "default", weight_sync_timeout_s: float = 600.0, batch_wait_ms: float = 20.0,
-                 host: str = "127.0.0.1", port: int = 30000) -> None:
+                 host: str = "127.0.0.1", port: int = 30000, allowed_weight_dirs: tuple[str, ...] = (),
+                 max_batch: int = 4096, max_queued: int = 4096) -> None:
         self.model_path = str(model_dir)
+        self.max_batch, self.max_queued = max_batch, max_queued
+        self.queued = 0                 # /generate requests admitted and not yet answered
         self.tokenizer = load_tokenizer_or_none(model_dir)
         self.codec = TextCodec(self.tokenizer)
         self.model = DecoderModel.from_pretrained(model_dir, resolve_dtype(dtype))
@@ -78,13 +91,14 @@ class Engine:
                      "random_seed": seed, "max_running_requests": max_running_requests,
                      "max_prefill_tokens": max_prefill_tokens, "batch_wait_ms": batch_wait_ms, "context_length": self.context_length,
                      "logprob_mode": logprob_mode, "skip_tokenizer_init": self.tokenizer is None,
-                     "device": "cpu", "tp_size": 1, "torch_threads": torch.get_num_threads()}
+                     "device": "cpu", "tp_size": 1, "torch_threads": torch.get_num_threads(),
+                     "max_batch": max_batch, "max_queued": max_queued}
         self.seed = seed
         self.scheduler = Scheduler(self.model, self.codec, eos_token_ids(model_dir, arch.eos_token_id, self.tokenizer),
                                    seed=seed, max_running=max_running_requests,
                                    max_prefill_tokens=max_prefill_tokens, logprob_mode=logprob_mode,
                                    weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
-        self.updates = WeightUpdates(self, weight_sync_timeout_s)
+        self.updates = WeightUpdates(self, weight_sync_timeout_s, WeightDirs(model_dir, allowed_weight_dirs))
 
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` on the scheduler thread and await its result."""
@@ -122,6 +136,9 @@ class Engine:
                     raise BadRequest(f"input_ids[{i}] must be a list of integers" if batch else
                                      "input_ids must be a list of integers or a list of lists of integers")
         n_items = len(prompts)
+        if n_items > self.max_batch:
+            raise BadRequest(f"{n_items} prompts in one /generate: this engine takes at most --max-batch "
+                             f"{self.max_batch} sequences per request", 422)
         sps = self._per_item(body.get("sampling_params"), n_items, "sampling_params", dict)
         lps = self._per_item(body.get("return_logprob"), n_items, "return_logprob", bool)
         rid = body.get("rid")
@@ -146,7 +163,7 @@ class Engine:
             try:
                 params = parse_sampling_params(sp, vocab)
             except ValueError as e:
-                raise BadRequest(str(e)) from None
+                raise BadRequest(str(e), 422 if isinstance(e, LimitError) else 400) from None
             if len(p) >= self.context_length:
                 raise BadRequest(f"The input ({len(p)} tokens) is longer than the model's context length "
                                  f"({self.context_length} tokens).")
@@ -158,6 +175,10 @@ class Engine:
             if params.stop and not self.codec.available:
                 raise BadRequest("sampling_params.stop needs a tokenizer; this model directory has none")
             items.append((list(p), params, bool(lp), r))
+        total = sum(params.n for _, params, _, _ in items)
+        if total > self.max_batch:
+            raise BadRequest(f"this /generate asks for {total} sequences (prompts x n): this engine takes at most "
+                             f"--max-batch {self.max_batch} per request", 422)
         return batch, items, bool(body.get("return_text_in_logprobs", False))
 
     @staticmethod
@@ -209,6 +230,16 @@ class Engine:
         return None
 
     async def generate(self, body: Any) -> Any:
+        if self.queued >= self.max_queued:
+            raise BadRequest(f"{self.queued} /generate requests are already queued (--max-queued "
+                             f"{self.max_queued}); retry later", 429, {"Retry-After": "1"})
+        self.queued += 1
+        try:
+            return await self._generate(body)
+        finally:
+            self.queued -= 1
+
+    async def _generate(self, body: Any) -> Any:
         batch, items, text_lp = self.parse(body)
         why = self.unavailable()
         if why:
@@ -279,7 +310,7 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> Response:  # noqa: ANN202
-        return error(str(exc), exc.status)
+        return error(str(exc), exc.status, exc.headers)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Any:
@@ -374,17 +405,22 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
 
 
 def serve(model_dir: str | Path, host: str = "127.0.0.1", port: int = 30000, threads: int | None = None,
-          log_level: str = "warning", switch_interval_s: float = 0.0005, **engine_kwargs: Any) -> None:
-    """Load the model and serve the engine until interrupted (blocking)."""
-    import uvicorn
+          log_level: str = "warning", switch_interval_s: float = 0.0005, max_body_mb: float = 64.0,
+          parent_pid: int | None = None, **engine_kwargs: Any) -> None:
+    """Load the model and serve the engine until SIGTERM / SIGINT (or ``parent_pid`` is gone); blocking."""
+    from headrace.shared.serving import BodyLimit, watch_parent
+    from headrace.shared.serving import serve as run
 
     if threads:
         torch.set_num_threads(threads)
     # The scheduler thread runs many short torch ops, each re-taking the GIL; with the default 5 ms
     # switch interval a busy event loop (a burst of requests) makes every op wait up to 5 ms.
     sys.setswitchinterval(switch_interval_s)
+    if parent_pid is not None:
+        watch_parent(parent_pid)
     app = build_app(model_dir, host=host, port=port, **engine_kwargs)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log.info("reference engine for %s on http://%s:%d (torch threads %d)", model_dir, host, port,
              torch.get_num_threads())
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    limited = BodyLimit(app, int(max_body_mb * 1024 * 1024), "--max-body-mb", lambda m: {"error": {"message": m}})
+    run(limited, host, port, log_level=log_level, name="headrace engine")

@@ -9,7 +9,8 @@ Guarantees:
   weight version. A failed update leaves ``session.broken`` set and the engine refusing
   ``/generate`` (503) until a later session or a disk load succeeds.
 - ``/update_weights_from_disk`` loads every weight of a HF directory (all checked before any is
-  copied). ``/release_memory_occupation`` really frees memory on CPU: tag ``weights`` writes the
+  copied), only from the directories ``rollout.engine.confine.WeightDirs`` allows: anything else is
+  a 403 with one fixed message, whatever the path. ``/release_memory_occupation`` really frees memory on CPU: tag ``weights`` writes the
   weights to a temporary safetensors file and drops the tensors, tag ``kv_cache`` retracts the
   running requests and drops the cache; ``/resume_memory_occupation`` reloads them.
 - ``/get_weights_by_name`` returns a weight (first ``truncate_size`` rows) by its HF name.
@@ -27,6 +28,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from headrace.rollout.engine.confine import REFUSED, Refused, WeightDirs
 from headrace.rollout.engine.http import answer, json_body, json_response
 from headrace.rollout.engine.model import DecoderModel, iter_safetensors
 from headrace.rollout.engine.scheduler import Scheduler
@@ -84,8 +86,9 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
 class WeightUpdates:
     """The weight-update session, disk loads and released memory of one reference engine."""
 
-    def __init__(self, engine: EngineState, timeout_s: float) -> None:
+    def __init__(self, engine: EngineState, timeout_s: float, weight_dirs: WeightDirs) -> None:
         self.engine = engine
+        self.weight_dirs = weight_dirs
         self.session = UpdateSession(SchedulerTarget(engine.scheduler), timeout_s=timeout_s)
         self.stash_dir: str | None = None
 
@@ -118,7 +121,12 @@ class WeightUpdates:
         if sch.released:
             return answer(False, "memory is released: resume it before updating weights", num_paused_requests=0)
         try:
-            named = await asyncio.to_thread(lambda: list(iter_safetensors(path)))
+            named = await asyncio.to_thread(lambda: list(self.weight_dirs.load(path)))
+        except Refused:
+            return json_response({"success": False, "message": REFUSED, "num_paused_requests": 0}, 403)
+        except Exception as e:  # noqa: BLE001
+            return answer(False, f"Failed to update weights from {path}: {e}", num_paused_requests=0)
+        try:
             have = {n for n, _ in named}
             missing = [n for n in model.hf_names() if n not in have]
             if missing:

@@ -35,7 +35,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineHandle]:
-    with reference_engine(model_dir, tmp_path_factory.mktemp("logs") / "engine.log") as (url, proc):
+    # weights from other directories of this session (tmp_path) may be loaded from disk
+    with reference_engine(model_dir, tmp_path_factory.mktemp("logs") / "engine.log",
+                          "--allowed-weight-dirs", str(tmp_path_factory.getbasetemp())) as (url, proc):
         yield EngineHandle(url, str(model_dir), proc)
 
 

@@ -1,0 +1,126 @@
+"""Serving an ASGI app so that it stops when asked: a bounded graceful shutdown, a hard deadline
+after SIGTERM / SIGINT, a request-body bound, and a watchdog that ends a child whose parent died.
+
+Guarantees:
+- ``serve(app, ...)`` runs uvicorn. On SIGTERM or SIGINT open requests get ``graceful_s`` to
+  finish, then they are cancelled and the app's shutdown runs; whatever still blocks (a
+  torch.distributed rendezvous in a worker thread, a model step, a shutdown hook) cannot hold the
+  process: ``deadline_s`` after the signal it exits (``os._exit``) with a line on stderr.
+- ``BodyLimit`` answers 413 to a request whose body exceeds ``max_bytes`` (by Content-Length at
+  once, or while counting a chunked body) before the app sees it; the app gets the body replayed
+  and later ``receive()`` calls (disconnect detection) pass through.
+- ``watch_parent(pid)`` sends this process SIGTERM (so the deadline above applies) once its parent
+  is no longer ``pid``: a launcher killed with SIGKILL leaves no engine behind.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Awaitable, Callable
+
+import orjson
+
+log = logging.getLogger("headrace.serving")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+GRACEFUL_S = 2.0     # open requests finish within this after a signal, or are cancelled
+DEADLINE_S = 8.0     # the process is gone this long after the signal, whatever blocks
+
+
+def _arm_deadline(deadline_s: float, name: str) -> None:
+    def force() -> None:
+        sys.stderr.write(f"{name}: still running {deadline_s:g} s after the stop signal; exiting now\n")
+        sys.stderr.flush()
+        os._exit(0)
+
+    t = threading.Timer(deadline_s, force)
+    t.daemon = True
+    t.start()
+
+
+def serve(app: Any, host: str, port: int, *, log_level: str = "warning", name: str = "headrace",
+          graceful_s: float = GRACEFUL_S, deadline_s: float = DEADLINE_S, **uvicorn_kw: Any) -> None:
+    """``uvicorn.run`` with a bounded shutdown (see the module docstring); blocks."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        armed = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if not self.armed:
+                self.armed = True
+                _arm_deadline(deadline_s, name)
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=graceful_s, **uvicorn_kw)
+    Server(config).run()
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """Start a daemon thread that SIGTERMs this process once its parent is not ``parent_pid`` any
+    more (the parent died and this process was re-parented). If it already is not, at once."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        log.warning("parent process %d is gone; stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes``; ``shape(message)`` is the JSON answer."""
+
+    def __init__(self, app: Any, max_bytes: int, what: str,
+                 shape: Callable[[str], Any] = lambda m: {"detail": m}) -> None:
+        self.app, self.max_bytes, self.what, self.shape = app, max_bytes, what, shape
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":       # disconnected while sending the body
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            more = msg.get("more_body", False)
+        replayed = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send: Send) -> None:
+        mb = self.max_bytes / (1024 * 1024)
+        body = orjson.dumps(self.shape(f"request body too large: the limit is {mb:g} MiB ({self.what})"))
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
