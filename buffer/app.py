@@ -11,6 +11,11 @@ Guarantees:
 - With a token, every endpoint but /health and /metrics needs ``Authorization: Bearer <token>``.
 - Answers are msgpack when the request's Accept asks for it, JSON otherwise; errors are
   ``{"detail": message}``.
+- Input is strict (``shared.schemas``): a body that is not JSON or msgpack is 415, anything that
+  does not validate is 422 naming the field, and nothing is stored. A lease whose answer cannot
+  be encoded is released before the 500, so no group is ever locked by its own answer.
+- Prometheus labels come from fixed sets: the HTTP method (others count as ``other``), the route
+  template, the status.
 """
 
 from __future__ import annotations
@@ -32,16 +37,18 @@ from starlette.responses import Response
 
 from headrace.buffer.ingest import parse_groups
 from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
-from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound
+from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, NotInLease
 from headrace.buffer.store import Lease, Store
 from headrace.shared import wire
 from headrace.shared.config import BufferConfig
-from headrace.shared.schemas import LeaseRequest, PolicyVersionRequest
+from headrace.shared.schemas import ExtendLeaseRequest, LeaseRequest, PolicyVersionRequest, RejectLeaseRequest
 
 T = TypeVar("T")
 log = logging.getLogger("headrace.buffer")
 _OPEN_PATHS = {"/health", "/metrics"}
 _EXPIRY_TICK_S = 0.5
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT"})  # the API's; any other counts as "other"
+_MAX_DEAD_LETTERS_PAGE = 1000
 
 
 class _BodyTooLarge(Exception):
@@ -132,6 +139,7 @@ def _lease_answer(lease: Lease, accept: str | None) -> Response:
 
 
 def _decode_model(model: Any, body: bytes, content_type: str | None) -> Any:
+    wire.check_content_type(content_type)
     try:
         return model.model_validate(wire.decode_body(body, content_type))
     except ValidationError as e:
@@ -208,7 +216,13 @@ def create_app(cfg: BufferConfig) -> "_Edge":
             generation = svc.generation
             got = await svc.db(store.lease, req.groups, req.lease_s, req.min_weight_version)
             if got is not None:
-                return await run_in_threadpool(_lease_answer, got, request.headers.get("accept"))
+                try:
+                    return await run_in_threadpool(_lease_answer, got, request.headers.get("accept"))
+                except Exception as e:  # validation makes this impossible; never lock groups if it happens
+                    log.exception("lease %s could not be encoded; releasing it", got.lease_id)
+                    await svc.db(store.release, got.lease_id)
+                    await svc.notify()
+                    return _error(request, 500, f"lease answer could not be encoded ({type(e).__name__}); released")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return Response(status_code=204)
@@ -245,6 +259,52 @@ def create_app(cfg: BufferConfig) -> "_Edge":
     async def release(request: Request, lease_id: str) -> Response:
         return await settle(request, lease_id, "release")
 
+    @app.post("/v1/leases/{lease_id}/extend")
+    async def extend(request: Request, lease_id: str) -> Response:
+        store = svc.store
+        assert store is not None
+        req = await read_model(ExtendLeaseRequest, request)
+        if isinstance(req, Response):
+            return req
+        try:
+            expires_at, held = await svc.db(store.extend, lease_id, req.lease_s, req.trained)
+        except LeaseNotFound as e:
+            return _error(request, 404, str(e))
+        except LeaseConflict as e:
+            return _error(request, 409, str(e))
+        return wire.respond({"lease_id": lease_id, "expires_at": expires_at, "held": held}, request.headers.get("accept"))
+
+    @app.post("/v1/leases/{lease_id}/reject")
+    async def reject(request: Request, lease_id: str) -> Response:
+        store = svc.store
+        assert store is not None
+        req = await read_model(RejectLeaseRequest, request)
+        if isinstance(req, Response):
+            return req
+        try:
+            dead, requeued = await svc.db(store.reject, lease_id, req.group_ids, req.reason)
+        except LeaseNotFound as e:
+            return _error(request, 404, str(e))
+        except LeaseConflict as e:
+            return _error(request, 409, str(e))
+        except NotInLease as e:
+            return _error(request, 422, str(e))
+        if requeued:
+            await svc.notify()
+        return wire.respond({"lease_id": lease_id, "dead_lettered": dead, "requeued": requeued},
+                            request.headers.get("accept"))
+
+    @app.get("/v1/dead_letters")
+    async def dead_letters(request: Request) -> Response:
+        store = svc.store
+        assert store is not None
+        try:
+            after, limit = _page_params(dict(request.query_params), len(request.query_params.multi_items()))
+        except wire.WireError as e:
+            return _error(request, e.status, e.message)
+        page, nxt = await svc.db(store.dead_letters, after, limit)
+        return wire.respond({"dead_letters": page, "next": nxt}, request.headers.get("accept"))
+
     @app.put("/v1/policy_version")
     async def policy_version(request: Request) -> Response:
         store = svc.store
@@ -261,6 +321,24 @@ def create_app(cfg: BufferConfig) -> "_Edge":
         return wire.respond(await svc.db(svc.store.stats), request.headers.get("accept"))  # between transactions
 
     return _Edge(app, svc, cfg.token)
+
+
+def _page_params(params: dict[str, str], n_items: int) -> tuple[int, int]:
+    """``after`` (cursor, default 0) and ``limit`` (1..1000, default 100), strictly: 422 otherwise."""
+    unknown = sorted(set(params) - {"after", "limit"})
+    if unknown or n_items != len(params):
+        raise wire.WireError(f"{(unknown or ['after/limit'])[0][:40]}: unknown or repeated query parameter")
+    out = []
+    for key, default, hi in (("after", 0, 2**63 - 1), ("limit", 100, _MAX_DEAD_LETTERS_PAGE)):
+        raw = params.get(key)
+        if raw is None:
+            out.append(default)
+            continue
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 19) or not (key == "after" or int(raw) >= 1) \
+                or int(raw) > hi:
+            raise wire.WireError(f"{key}: must be an integer in [{0 if key == 'after' else 1}, {hi}]")
+        out.append(int(raw))
+    return out[0], out[1]
 
 
 class _Edge:
@@ -299,7 +377,8 @@ class _Edge:
             self._observe(scope, route, status[0], t0)
 
     def _observe(self, scope: dict[str, Any], route: str, status: int, t0: float) -> None:
-        self.svc.metrics.latency.labels(scope["method"], route, str(status)).observe(time.perf_counter() - t0)
+        method = scope["method"] if scope["method"] in _METHODS else "other"
+        self.svc.metrics.latency.labels(method, route, str(status)).observe(time.perf_counter() - t0)
 
 
 def serve(cfg: BufferConfig, log_level: str = "warning") -> None:

@@ -1,8 +1,11 @@
 """The ingest hot path: raw POST /v1/groups body -> validated ``GroupRow``s, or a ``WireError``.
 
 Guarantees:
-- the whole request is validated with the pydantic schemas (``PostGroupsRequest``) before
-  anything is stored; the first error is reported as ``groups[i].samples[j].field: message``;
+- the whole request is validated with the pydantic schemas (``PostGroupsRequest``, strict: see
+  ``shared.schemas``) before anything is stored; the first error is reported as
+  ``groups[i].samples[j].field: message``; a Content-Type other than JSON / msgpack is 415;
+- everything accepted can be written back out as JSON and msgpack (the schemas refuse msgpack
+  extensions, bytes, non-string keys and deep nesting), so no stored group can fail its lease;
 - each stored blob is the msgpack encoding of exactly what the client sent for that group. For a
   msgpack body the blob is sliced from the body itself (no re-encoding); for JSON it is packed
   once. Validation is deterministic, so a blob always re-validates to the same ``Group``.
@@ -67,6 +70,11 @@ def parse_groups(body: bytes, content_type: str | None) -> list[GroupRow]:
     """Decode and validate a POST /v1/groups body. ``WireError`` carries the group count in ``.groups``."""
     blobs: list[bytes] | None = None
     obj: Any = None
+    try:
+        wire.check_content_type(content_type)
+    except wire.WireError as e:
+        e.groups = 1  # type: ignore[attr-defined]
+        raise
     if wire.is_msgpack(content_type):
         split = _split_msgpack(body)
         if split is not None:

@@ -1,10 +1,11 @@
 """Prometheus metrics of one buffer instance (its own registry, so several apps can share a process).
 
-- ``headrace_buffer_groups{state=queued|leased}`` and the counters ``headrace_buffer_*_total``
-  (consumed, evicted_stale, duplicates, rejected, throttled) are read from the store's counts at
+- ``headrace_buffer_groups{state=queued|leased|held|dead_lettered}`` (held groups are also
+  leased) and the counters ``headrace_buffer_*_total`` (consumed, evicted_stale, duplicates, rejected, throttled) are read from the store's counts at
   scrape time, so they always agree with GET /v1/stats; counts are of groups (throttled: requests).
 - ``headrace_buffer_request_seconds{method,route,status}``: latency histogram of every request,
-  labelled by route template (``/v1/leases/{lease_id}/ack``) to keep label sets bounded.
+  labelled by method (GET/HEAD/POST/PUT, any other ``other``), route template
+  (``/v1/leases/{lease_id}/ack``; unknown paths ``other``) and status, so label sets stay bounded.
 - ``headrace_buffer_ingest_bytes_total``: bytes of accepted POST /v1/groups bodies.
 """
 
@@ -28,6 +29,8 @@ class _StoreCollector:
         g = GaugeMetricFamily("headrace_buffer_groups", "groups held, by state", labels=["state"])
         g.add_metric(["queued"], s["queued"])
         g.add_metric(["leased"], s["leased"])
+        g.add_metric(["held"], s["held"])
+        g.add_metric(["dead_lettered"], s["dead_lettered"])
         yield g
         yield GaugeMetricFamily("headrace_buffer_capacity", "max queued + leased groups", value=s["capacity"])
         yield GaugeMetricFamily("headrace_buffer_policy_version", "latest trainer policy version",

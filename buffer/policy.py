@@ -3,8 +3,9 @@
 Kept apart from SQL (store.py) and HTTP (app.py) so each rule is stated once:
 - a group is stale when ``weight_version < policy_version - max_staleness`` (strictly less;
   ``headrace.shared.staleness`` states it for every service);
-- a lease is active until acked, released or expired; only an active lease may be acked or
-  released, except that repeating the same ack (or release) is a no-op answered 200;
+- a lease is active until acked, released, rejected or expired; only an active lease may be
+  acked, released, rejected or extended, except that repeating the same ack (or release, or
+  reject) is a no-op answered 200;
 - when full, clients are told to come back after ``retry_after_s`` seconds.
 """
 
@@ -19,6 +20,7 @@ class GroupState(IntEnum):
     leased = 1
     consumed = 2
     evicted = 3
+    dead_lettered = 4
 
 
 class LeaseState(IntEnum):
@@ -26,6 +28,7 @@ class LeaseState(IntEnum):
     acked = 1
     released = 2
     expired = 3
+    rejected = 4
 
 
 class LeaseNotFound(LookupError):
@@ -34,6 +37,10 @@ class LeaseNotFound(LookupError):
 
 class LeaseConflict(RuntimeError):
     """The lease is not active any more (expired, or acked/released the other way) (HTTP 409)."""
+
+
+class NotInLease(ValueError):
+    """A reject names groups the lease does not hold (HTTP 422)."""
 
 
 class BufferFull(RuntimeError):
@@ -54,15 +61,16 @@ def retry_after_s(overflow: int, capacity: int) -> int:
 
 
 def lease_transition(state: LeaseState, action: str, expired_by_time: bool) -> tuple[bool, LeaseState]:
-    """``(changes_anything, new_state)`` for ``action`` ("ack" | "release") on a lease.
+    """``(changes_anything, new_state)`` for ``action`` ("ack" | "release" | "reject" | "extend").
 
     Raises ``LeaseConflict`` when the action is not allowed: the lease expired, or it was already
     settled the other way (ack after release, release after ack).
     """
-    target = LeaseState.acked if action == "ack" else LeaseState.released
+    target = {"ack": LeaseState.acked, "release": LeaseState.released, "reject": LeaseState.rejected,
+              "extend": LeaseState.active}[action]
     if state == LeaseState.active and not expired_by_time:
         return True, target
-    if state == target:
+    if state == target and action != "extend":
         return False, state
     if state == LeaseState.expired or (state == LeaseState.active and expired_by_time):
         raise LeaseConflict(f"lease expired; its groups went back to the queue ({action} refused)")

@@ -9,8 +9,14 @@ Guarantees (file-backed store):
 - A group_id or a uid seen before (queued, leased, consumed or evicted) is a duplicate: counted,
   not stored. Rows of consumed and evicted groups keep their ids and drop their payload.
 - ``ack`` is durable like ``post``; an acked group is never leased again.
-- On open, leases that were active when the process stopped are marked expired and their groups
+- Leases are durable too (DESIGN "Exactly-once consumption"): a lease, its groups, its deadline
+  and its *held* mark survive a restart, so an ack within the deadline succeeds after one. A
+  lease whose deadline passed (while the buffer ran or while it was down) expires and its groups
   are queued again, ahead of later arrivals (FIFO by first arrival).
+- ``extend`` moves a deadline; ``trained=True`` marks the lease held: its groups stay in
+  ``leased`` and are also counted in ``held``, and the capacity rule counts queued + leased - held.
+- ``reject`` moves some groups of a lease to the dead-letter table (durable, with reason and time;
+  their ids stay known, so they are never stored again) and queues the lease's other groups.
 
 Each group is one small row of indexed columns (seq, group_id, weight_version, state, lease_id)
 plus its msgpack blob in a separate table, so that state changes (lease, ack, expiry) rewrite a
@@ -29,7 +35,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from headrace.buffer.policy import BufferFull, GroupState, LeaseNotFound, LeaseState, lease_transition, retry_after_s
+from headrace.buffer.policy import (BufferFull, GroupState, LeaseNotFound, LeaseState, NotInLease, lease_transition,
+                                    retry_after_s)
 from headrace.shared.staleness import stale_cutoff
 
 _SCHEMA = """
@@ -49,8 +56,18 @@ CREATE TABLE IF NOT EXISTS leases (
     lease_id TEXT PRIMARY KEY,
     state INTEGER NOT NULL,
     expires_at REAL NOT NULL,
-    n INTEGER NOT NULL
+    n INTEGER NOT NULL,
+    held INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq INTEGER NOT NULL,
+    group_id TEXT NOT NULL,
+    lease_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_lease ON dead_letters(lease_id);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
 """
 
@@ -96,6 +113,9 @@ class Store:
             if mode.lower() != "wal":
                 raise RuntimeError(f"{path}: SQLite refused WAL mode (got {mode!r})")
             self.db.execute("PRAGMA synchronous=FULL")
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone() is not None and \
+                "held" not in {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}:
+            self.db.execute("ALTER TABLE leases ADD COLUMN held INTEGER NOT NULL DEFAULT 0")  # a pre-held database
         self.db.executescript(_SCHEMA)
         self.counters = {k: 0 for k in _COUNTERS}
         for key, value in self.db.execute("SELECT key, value FROM meta"):
@@ -104,18 +124,19 @@ class Store:
         counts = dict(self.db.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
         self.n = {s: counts.get(int(s), 0) for s in GroupState}
         self.active: dict[str, float] = {}  # active lease id -> expires_at
+        self.held: dict[str, int] = {}  # active held lease id -> its groups
         self._recover()
         self.to_purge = self.db.execute("SELECT 1 FROM purge LIMIT 1").fetchone() is not None
 
     # ---- helpers ---------------------------------------------------------------------------
 
     def _recover(self) -> None:
-        """Leases active when the process stopped: expire them, queue their groups again."""
-        with self._txn():
-            self.db.execute("UPDATE leases SET state=? WHERE state=?", (LeaseState.expired, LeaseState.active))
-            cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE state=?",
-                                  (GroupState.queued, GroupState.leased))
-            self._move(GroupState.leased, GroupState.queued, cur.rowcount)
+        """Leases active when the process stopped stay active until their deadline (``expire``)."""
+        for lid, expires_at, n, held in self.db.execute("SELECT lease_id, expires_at, n, held FROM leases WHERE state=?",
+                                                        (LeaseState.active,)):
+            self.active[lid] = expires_at
+            if held:
+                self.held[lid] = n
 
     def _txn(self) -> "_Txn":
         return _Txn(self)
@@ -153,12 +174,12 @@ class Store:
             stale = r.weight_version < cutoff
             new.append((r, stale))
         queued_new = sum(1 for _, stale in new if not stale)
-        held = self.n[GroupState.queued] + self.n[GroupState.leased]
-        if queued_new and held + queued_new > self.capacity:
-            overflow = held + queued_new - self.capacity
+        counted = self.n[GroupState.queued] + self.n[GroupState.leased] - self.n_held
+        if queued_new and counted + queued_new > self.capacity:
+            overflow = counted + queued_new - self.capacity
             self.counters["throttled"] += 1
-            raise BufferFull(f"buffer full: {held} of {self.capacity} groups held, request adds {queued_new}",
-                             retry_after_s(overflow, self.capacity))
+            raise BufferFull(f"buffer full: {counted} of {self.capacity} groups queued or leased (not held), "
+                             f"request adds {queued_new}", retry_after_s(overflow, self.capacity))
         self.counters["duplicates"] += res.duplicates
         with self._txn():
             for r, stale in new:
@@ -230,6 +251,7 @@ class Store:
                 dst = GroupState.queued
         self._move(GroupState.leased, dst, cur.rowcount)
         self.active.pop(lease_id, None)
+        self.held.pop(lease_id, None)
         return cur.rowcount
 
     def ack(self, lease_id: str, now: float | None = None) -> int:
@@ -239,6 +261,72 @@ class Store:
     def release(self, lease_id: str, now: float | None = None) -> int:
         """Queue the lease's groups again. 0 if already released. LeaseNotFound / LeaseConflict."""
         return self._settle(lease_id, "release", now)
+
+    @property
+    def n_held(self) -> int:
+        return sum(self.held.values())
+
+    def _active_lease(self, lease_id: str, action: str, now: float) -> tuple[bool, LeaseState]:
+        self.expire(now)
+        row = self.db.execute("SELECT state, expires_at FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+        if row is None:
+            raise LeaseNotFound(f"unknown lease {lease_id!r}")
+        return lease_transition(LeaseState(row[0]), action, now > row[1])
+
+    def extend(self, lease_id: str, lease_s: float, trained: bool = False, now: float | None = None) -> tuple[float, bool]:
+        """New deadline ``now + lease_s`` (durable); ``trained`` marks the lease held (for good).
+        ``(expires_at, held)``. LeaseNotFound; LeaseConflict unless the lease is active."""
+        now = time.time() if now is None else now
+        self._active_lease(lease_id, "extend", now)
+        expires_at = now + lease_s
+        held = trained or lease_id in self.held
+        with self._txn():
+            self.db.execute("UPDATE leases SET expires_at=?, held=? WHERE lease_id=?", (expires_at, int(held), lease_id))
+        n = self.db.execute("SELECT n FROM leases WHERE lease_id=?", (lease_id,)).fetchone()[0]
+        self.active[lease_id] = expires_at
+        if held:
+            self.held[lease_id] = n
+        return expires_at, held
+
+    def reject(self, lease_id: str, group_ids: list[str], reason: str, now: float | None = None) -> tuple[int, int]:
+        """Dead-letter ``group_ids`` of an active lease and queue its other groups: ``(dead, requeued)``.
+
+        A repeat (the same groups, already dead-lettered from this lease) is ``(0, 0)``. NotInLease
+        when a group is not the lease's; LeaseNotFound / LeaseConflict as for ack."""
+        now = time.time() if now is None else now
+        wanted = list(dict.fromkeys(group_ids))
+        changes, _ = self._active_lease(lease_id, "reject", now)
+        if not changes:
+            done = {r[0] for r in self.db.execute("SELECT group_id FROM dead_letters WHERE lease_id=?", (lease_id,))}
+            if not set(wanted) <= done:
+                raise NotInLease(f"lease {lease_id!r} was already rejected with other groups")
+            return 0, 0
+        mine = dict(self.db.execute("SELECT group_id, seq FROM groups WHERE lease_id=? AND state=?",
+                                    (lease_id, GroupState.leased)))
+        foreign = [g for g in wanted if g not in mine]
+        if foreign:
+            shown = ", ".join(repr(g[:64]) for g in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+            raise NotInLease(f"group_ids: {len(foreign)} not in lease {lease_id!r}: {shown}")
+        with self._txn():
+            self.db.execute("UPDATE leases SET state=? WHERE lease_id=?", (LeaseState.rejected, lease_id))
+            self.db.executemany("INSERT INTO dead_letters(seq, group_id, lease_id, reason, at) VALUES (?, ?, ?, ?, ?)",
+                                [(mine[g], g, lease_id, reason, now) for g in wanted])
+            self.db.executemany("UPDATE groups SET state=?, lease_id=NULL WHERE seq=?",
+                                [(GroupState.dead_lettered, mine[g]) for g in wanted])
+            cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
+                                  (GroupState.queued, lease_id, GroupState.leased))
+        self._move(GroupState.leased, GroupState.dead_lettered, len(wanted))
+        self._move(GroupState.leased, GroupState.queued, cur.rowcount)
+        self.active.pop(lease_id, None)
+        self.held.pop(lease_id, None)
+        return len(wanted), cur.rowcount
+
+    def dead_letters(self, after: int = 0, limit: int = 100) -> tuple[list[dict[str, object]], int | None]:
+        """Dead-lettered groups with id > ``after``, oldest first: ``(page, next cursor or None)``."""
+        rows = self.db.execute("SELECT id, group_id, lease_id, reason, at FROM dead_letters WHERE id>? ORDER BY id LIMIT ?",
+                               (after, limit + 1)).fetchall()
+        page = [{"id": r[0], "group_id": r[1], "lease_id": r[2], "reason": r[3], "at": r[4]} for r in rows[:limit]]
+        return page, (rows[limit - 1][0] if len(rows) > limit else None)
 
     def next_expiry(self) -> float | None:
         return min(self.active.values()) if self.active else None
@@ -258,6 +346,7 @@ class Store:
                 returned += cur.rowcount
         for lid in due:
             del self.active[lid]
+            self.held.pop(lid, None)
         self._move(GroupState.leased, GroupState.queued, returned)
         return returned
 
@@ -297,7 +386,9 @@ class Store:
         return {
             "queued": self.n[GroupState.queued],
             "leased": self.n[GroupState.leased],
+            "held": self.n_held,
             "consumed": self.n[GroupState.consumed],
+            "dead_lettered": self.n[GroupState.dead_lettered],
             "evicted_stale": self.n[GroupState.evicted],
             "duplicates": self.counters["duplicates"],
             "rejected": self.counters["rejected"],

@@ -7,18 +7,114 @@ are non-negative (and below ``vocab_size`` when the validation context carries o
 ``Sample.model_validate(d, context={"vocab_size": 32000})``).
 
 Validation errors name the field (pydantic's ``loc``), which services turn into 422 answers.
+
+Strict at the wire: what JSON or msgpack can carry is taken only as its own type. Integer fields
+(token ids, indices, versions, counts) take integers, not ``"7"``, ``true`` or ``3.0``; float
+fields take numbers (an integer is a number) but not booleans or strings; strings are not bytes;
+token ids lie in [0, 2^31). (Python producers may still pass numpy integers: only the coercions a
+decoded body could ask for are refused.) Free-form fields (``label``, ``metadata``) hold plain
+JSON values only -- no msgpack extension (Timestamp), no bytes, no non-string keys, integers
+within 64 bits, at most ``MAX_FREEFORM_DEPTH`` levels -- so every accepted group can be written
+back out as JSON and as msgpack.
 """
 
 from __future__ import annotations
 
 import math
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo,
+                      field_validator, model_validator)
 
 MAX_GROUP_SIZE = 1024
 MAX_INT = 2**63 - 1  # versions and counts are stored as SQLite INTEGERs (signed 64-bit)
+MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 in columns and tensors
+MAX_FREEFORM_DEPTH = 32  # nesting of label / metadata; JSON writers stop at ~255 levels
+_NOT_INT = (bool, float, str, bytes, bytearray)
+_NOT_FLOAT = (bool, str, bytes, bytearray)
+
+
+def _type_error(v: Any, want: str) -> ValueError:
+    return ValueError(f"must be {want}, not {type(v).__name__} {str(v)[:40]!r}")
+
+
+def _int_only(v: Any) -> Any:
+    if isinstance(v, _NOT_INT):
+        raise _type_error(v, "an integer")
+    return v
+
+
+def _number_only(v: Any) -> Any:
+    if isinstance(v, _NOT_FLOAT):
+        raise _type_error(v, "a number")
+    return v
+
+
+def _ints_only(v: Any) -> Any:
+    """A list of integers, checked in one pass (token lists are long: no per-item Python call)."""
+    if isinstance(v, list):
+        bad = set(map(type, v)) & set(_NOT_INT)
+        if bad:
+            x = next(x for x in v if type(x) in bad)
+            raise ValueError(f"items must be integers, not {type(x).__name__} {str(x)[:40]!r}")
+    return v
+
+
+def _numbers_only(v: Any) -> Any:
+    if isinstance(v, list):
+        bad = set(map(type, v)) & set(_NOT_FLOAT)
+        if bad:
+            x = next(x for x in v if type(x) in bad)
+            raise ValueError(f"items must be numbers, not {type(x).__name__} {str(x)[:40]!r}")
+    return v
+
+
+class _FreeformError(ValueError):
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+
+
+def _check_plain(v: Any, depth: int) -> None:
+    t = type(v)
+    if v is None or t is bool or t is str or t is float:
+        return
+    if t is int:
+        if not -(2**63) <= v <= MAX_INT:
+            raise _FreeformError("integer outside the signed 64-bit range")
+        return
+    if t is dict or t is list or t is tuple:
+        if depth >= MAX_FREEFORM_DEPTH:
+            raise _FreeformError(f"nested deeper than {MAX_FREEFORM_DEPTH} levels")
+        items = v.items() if t is dict else enumerate(v)
+        for k, x in items:
+            if t is dict and type(k) is not str:
+                raise _FreeformError(f"map keys must be strings, not {type(k).__name__}")
+            try:
+                _check_plain(x, depth + 1)
+            except _FreeformError as e:
+                raise _FreeformError(e.message, (f".{k}" if t is dict else f"[{k}]") + e.path) from None
+        return
+    raise _FreeformError(f"{t.__name__} values are not accepted (JSON types only; no msgpack extension or bin)")
+
+
+def plain_json(v: Any) -> Any:
+    """``v`` if it is plain JSON within the nesting bound, else ValueError naming where it is not."""
+    try:
+        _check_plain(v, 0)
+    except _FreeformError as e:
+        where = e.path.lstrip(".")
+        where = where if len(where) <= 80 else where[:77] + "..."
+        raise ValueError(f"{where + ': ' if where else ''}{e.message}") from None
+    return v
+
+
+WireInt = Annotated[int, BeforeValidator(_int_only)]
+WireFloat = Annotated[float, BeforeValidator(_number_only)]
+Freeform = Annotated[Any, BeforeValidator(plain_json)]
+FreeformMap = Annotated[dict[StrictStr, Any], BeforeValidator(plain_json)]
 
 
 class SampleStatus(str, Enum):
@@ -37,26 +133,31 @@ class _Wire(BaseModel):
 class Sample(_Wire):
     """One trajectory: prompt + response tokens and what the trainer needs to learn from them."""
 
-    uid: str = Field(min_length=1, max_length=512, description="unique across the run; the idempotency key")
-    group_id: str = Field(min_length=1, max_length=512, description="samples of one prompt share it")
-    index: int = Field(default=0, ge=0, description="position in its group")
-    tokens: list[int] = Field(description="prompt + response token ids, each in [0, vocab)")
-    response_length: int = Field(default=0, ge=0, description="<= len(tokens)")
-    loss_mask: list[int] = Field(default_factory=list, validate_default=True, description="len == response_length; 0/1 (0 = tool/env tokens)")
-    rollout_logprobs: list[float] | None = Field(default=None, description="len == response_length; finite, <= 0")
-    reward: float | None = Field(default=None, description="finite; null only when status is failed")
+    uid: StrictStr = Field(min_length=1, max_length=512, description="unique across the run; the idempotency key")
+    group_id: StrictStr = Field(min_length=1, max_length=512, description="samples of one prompt share it")
+    index: WireInt = Field(default=0, ge=0, le=MAX_INT, description="position in its group")
+    tokens: Annotated[list[int], BeforeValidator(_ints_only)] = Field(
+        description="prompt + response token ids, each in [0, vocab) and [0, 2^31)")
+    response_length: WireInt = Field(default=0, ge=0, le=MAX_INT, description="<= len(tokens)")
+    loss_mask: Annotated[list[int], BeforeValidator(_ints_only)] = Field(
+        default_factory=list, validate_default=True, description="len == response_length; 0/1 (0 = tool/env tokens)")
+    rollout_logprobs: Annotated[list[float], BeforeValidator(_numbers_only)] | None = Field(
+        default=None, description="len == response_length; finite, <= 0")
+    reward: WireFloat | None = Field(default=None, description="finite; null only when status is failed")
     status: SampleStatus = Field(default=SampleStatus.completed)
-    weight_version: int = Field(default=0, ge=0, le=MAX_INT, description="oldest policy version that produced a response token")
-    prompt: str | None = None
-    response: str | None = None
-    label: Any = None
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    weight_version: WireInt = Field(default=0, ge=0, le=MAX_INT, description="oldest policy version that produced a response token")
+    prompt: StrictStr | None = None
+    response: StrictStr | None = None
+    label: Freeform = Field(default=None, description="plain JSON, nested at most MAX_FREEFORM_DEPTH levels")
+    metadata: FreeformMap = Field(default_factory=dict, description="plain JSON object")
 
     @field_validator("tokens")
     @classmethod
     def _tokens_in_vocab(cls, v: list[int], info: ValidationInfo) -> list[int]:
         if v and min(v) < 0:
             raise ValueError(f"token ids must be >= 0 (found {min(v)})")
+        if v and max(v) > MAX_TOKEN_ID:
+            raise ValueError(f"token id {max(v)} is not below 2^31")
         vocab = (info.context or {}).get("vocab_size") if info.context else None
         if vocab is not None and v and max(v) >= vocab:
             raise ValueError(f"token id {max(v)} is outside the vocabulary [0, {vocab})")
@@ -111,9 +212,9 @@ class Sample(_Wire):
 class Group(_Wire):
     """All samples drawn for one prompt. Its weight_version is the minimum over its samples."""
 
-    group_id: str = Field(min_length=1, max_length=512)
+    group_id: StrictStr = Field(min_length=1, max_length=512)
     samples: list[Sample] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: FreeformMap = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> "Group":
@@ -149,10 +250,10 @@ class PostGroupsResponse(_Wire):
 
 
 class LeaseRequest(_Wire):
-    groups: int = Field(ge=1, le=1_000_000, description="exactly this many groups, or 204")
-    wait_s: float = Field(default=0.0, ge=0.0, le=3600.0)
-    lease_s: float = Field(default=600.0, gt=0.0, le=7 * 24 * 3600.0)
-    min_weight_version: int | None = Field(default=None, ge=0, le=MAX_INT)
+    groups: WireInt = Field(ge=1, le=1_000_000, description="exactly this many groups, or 204")
+    wait_s: WireFloat = Field(default=0.0, ge=0.0, le=3600.0)
+    lease_s: WireFloat = Field(default=600.0, gt=0.0, le=7 * 24 * 3600.0)
+    min_weight_version: WireInt | None = Field(default=None, ge=0, le=MAX_INT)
 
 
 class LeaseResponse(_Wire):
@@ -162,20 +263,20 @@ class LeaseResponse(_Wire):
 
 
 class PolicyVersionRequest(_Wire):
-    version: int = Field(ge=0, le=MAX_INT)
+    version: WireInt = Field(ge=0, le=MAX_INT)
 
 
 class ExtendLeaseRequest(_Wire):
-    lease_s: float = Field(gt=0.0, le=7 * 24 * 3600.0, description="new deadline = now + lease_s")
-    trained: bool = Field(default=False, description="the lease's step is trained, not yet checkpointed: held")
+    lease_s: WireFloat = Field(gt=0.0, le=7 * 24 * 3600.0, description="new deadline = now + lease_s")
+    trained: StrictBool = Field(default=False, description="the lease's step is trained, not yet checkpointed: held")
 
 
 MAX_REASON = 2000
 
 
 class RejectLeaseRequest(_Wire):
-    group_ids: list[str] = Field(min_length=1, max_length=1_000_000, description="groups of this lease to dead-letter")
-    reason: str = Field(min_length=1, max_length=MAX_REASON, description="why the trainer cannot use them")
+    group_ids: list[StrictStr] = Field(min_length=1, max_length=1_000_000, description="groups of this lease to dead-letter")
+    reason: StrictStr = Field(min_length=1, max_length=MAX_REASON, description="why the trainer cannot use them")
 
 
 class BufferStats(_Wire):

@@ -4,7 +4,9 @@ Guarantees:
 - ``decode_body`` turns raw request bytes into Python objects with orjson or msgpack, chosen by
   the Content-Type (``application/msgpack`` / ``application/x-msgpack``; anything else is JSON),
   and raises ``WireError`` (status 422, a message saying what is malformed) instead of any
-  parser exception. It never evaluates anything: msgpack extension types are refused.
+  parser exception. It never evaluates anything: msgpack extension types are refused (the
+  Timestamp extension, which msgpack decodes by itself, is refused by the schemas' field types).
+- ``check_content_type``: a declared Content-Type other than JSON or msgpack is a 415.
 - ``encode`` answers in msgpack when the Accept header asks for it, JSON otherwise. Bytes values
   (msgpack ``bin``) are written to JSON as UTF-8 text.
 - ``format_validation_error`` renders a pydantic error as ``groups[3].samples[1].loss_mask: ...``
@@ -41,6 +43,16 @@ def is_msgpack(content_type: str | None) -> bool:
         return False
     ct = content_type.lower()
     return any(t in ct for t in _MSGPACK_TYPES)
+
+
+def check_content_type(content_type: str | None) -> None:
+    """``WireError`` 415 unless the Content-Type is JSON, msgpack or absent (absent reads as JSON)."""
+    if not content_type or is_msgpack(content_type):
+        return
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media == JSON or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise WireError(f"unsupported Content-Type {content_type[:80]!r}: send {JSON} or {MSGPACK}", 415)
 
 
 def _no_ext(code: int, data: bytes) -> Any:

@@ -50,8 +50,8 @@ def drain(url: str) -> None:
 def test_health_and_stats_shape(buf: str) -> None:
     r = httpx.get(buf + "/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
-    assert set(stats(buf)) == {"queued", "leased", "consumed", "evicted_stale", "duplicates", "rejected",
-                               "throttled", "policy_version", "capacity"}
+    assert set(stats(buf)) == {"queued", "leased", "held", "consumed", "dead_lettered", "evicted_stale",
+                               "duplicates", "rejected", "throttled", "policy_version", "capacity"}
 
 
 def test_post_lease_ack_roundtrip_and_dedupe(buf: str) -> None:
@@ -325,7 +325,8 @@ def test_capacity_429_retry_after_and_client_honours_it(tmp_path: Path) -> None:
 
 
 def test_body_limit_413_and_bearer_token_401(tmp_path: Path) -> None:
-    proc, url = start_buffer(tmp_path, "--memory", "--max-body-mb", "0.01", "--token", "s3cret")
+    (tmp_path / "token").write_text("s3cret\n")   # never --token: a command line is visible to every user
+    proc, url = start_buffer(tmp_path, "--memory", "--max-body-mb", "0.01", "--token-file", str(tmp_path / "token"))
     auth = {"authorization": "Bearer s3cret"}
     try:
         assert httpx.get(url + "/health").status_code == 200  # open

@@ -32,23 +32,25 @@ def test_post_dedupes_by_group_id_and_uid_within_and_across_requests(tmp_path: P
     assert s.stats()["queued"] == 2 and s.stats()["duplicates"] == 2
 
 
-def test_restart_requeues_unacked_leases_and_keeps_acks(tmp_path: Path) -> None:
+def test_restart_keeps_leases_until_their_deadline_and_keeps_acks(tmp_path: Path) -> None:
     path = str(tmp_path / "s.sqlite")
     s = Store(path, capacity=100, max_staleness=1)
-    s.post([row(f"g{i}") for i in range(5)])
+    s.post([row(f"g{i}") for i in range(7)])
     acked = s.lease(2, 60, None, now=1000.0)
     open_lease = s.lease(2, 60, None, now=1000.0)
-    assert acked and open_lease
+    lapsing = s.lease(2, 5, None, now=1000.0)
+    assert acked and open_lease and lapsing
     assert s.ack(acked.lease_id, now=1001.0) == 2
     s.db.close()  # like a crash: no close(), no final counter save
     s = Store(path, capacity=100, max_staleness=1)
     st = s.stats()
-    assert (st["queued"], st["leased"], st["consumed"]) == (3, 0, 2)
+    assert (st["queued"], st["leased"], st["consumed"]) == (1, 4, 2)  # durable leases (DESIGN "Exactly-once")
+    assert s.ack(open_lease.lease_id, now=1002.0) == 2  # within its deadline: the ack succeeds after the restart
     with pytest.raises(LeaseConflict):
-        s.ack(open_lease.lease_id, now=1002.0)
-    again = s.lease(3, 60, None, now=1003.0)
+        s.ack(lapsing.lease_id, now=1006.0)  # past its deadline: expired, its groups are back
+    again = s.lease(3, 60, None, now=1007.0)
     assert again is not None
-    assert [msgpack.unpackb(b)["group_id"] for b in again.blobs] == ["g2", "g3", "g4"]  # FIFO by first arrival
+    assert [msgpack.unpackb(b)["group_id"] for b in again.blobs] == ["g4", "g5", "g6"]  # FIFO by first arrival
 
 
 def test_expiry_by_clock_and_lease_state_machine(tmp_path: Path) -> None:
