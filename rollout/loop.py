@@ -214,14 +214,14 @@ class RolloutLoop:
         return admission_cap(self.cfg.buffer.max_staleness, self.rc.groups_per_step)
 
     async def poll_stats(self) -> None:
-        """Keep ``backlog`` = buffer queued + leased (continuous mode's admission input)."""
+        """Keep ``backlog`` = buffer queued + leased-not-held (continuous mode's admission input)."""
         while True:
             try:
                 # Pushes that land while the stats request is in flight may or may not be counted
                 # by it: add them anyway, so the figure errs high and admission never overshoots.
                 before = self.counts["groups_pushed"]
                 st = await self.buffer.stats()
-                self.backlog = st.queued + st.leased + (self.counts["groups_pushed"] - before)
+                self.backlog = st.queued + st.leased - st.held + (self.counts["groups_pushed"] - before)
                 self._wake.set()
             except Exception as e:  # noqa: BLE001 - buffer down: keep the last figure
                 log.debug("buffer stats unavailable: %s", e)
