@@ -8,7 +8,8 @@ Guarantees:
   A lease with ``wait_s`` waits on an asyncio condition, never on a thread.
 - Leases past their ``expires_at`` go back to the queue lazily (on every lease/ack/release) and
   from a background task, so a waiting lease sees them promptly.
-- With a token, every endpoint but /health and /metrics needs ``Authorization: Bearer <token>``.
+- With ``auth.token``, every endpoint but /health (and /metrics, unless ``auth.protect_metrics``)
+  needs ``Authorization: Bearer <token>`` (``shared.auth.Guard``, as on every service).
 - Answers are msgpack when the request's Accept asks for it, JSON otherwise; errors are
   ``{"detail": message}``.
 - Input is strict (``shared.schemas``): a body that is not JSON or msgpack is 415, anything that
@@ -21,7 +22,6 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +40,12 @@ from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
 from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, NotInLease
 from headrace.buffer.store import Lease, Store
 from headrace.shared import wire
-from headrace.shared.config import BufferConfig
+from headrace.shared.auth import Guard
+from headrace.shared.config import AuthConfig, BufferConfig
 from headrace.shared.schemas import ExtendLeaseRequest, LeaseRequest, PolicyVersionRequest, RejectLeaseRequest
 
 T = TypeVar("T")
 log = logging.getLogger("headrace.buffer")
-_OPEN_PATHS = {"/health", "/metrics"}
 _EXPIRY_TICK_S = 0.5
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT"})  # the API's; any other counts as "other"
 _MAX_DEAD_LETTERS_PAGE = 1000
@@ -146,7 +146,7 @@ def _decode_model(model: Any, body: bytes, content_type: str | None) -> Any:
         raise wire.WireError(wire.format_validation_error(e)) from None
 
 
-def create_app(cfg: BufferConfig) -> "_Edge":
+def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
     """The buffer's ASGI app (FastAPI routes wrapped by ``_Edge``); the store opens in its lifespan."""
     svc = BufferService(cfg)
 
@@ -320,7 +320,7 @@ def create_app(cfg: BufferConfig) -> "_Edge":
         assert svc.store is not None
         return wire.respond(await svc.db(svc.store.stats), request.headers.get("accept"))  # between transactions
 
-    return _Edge(app, svc, cfg.token)
+    return _Edge(app, svc, Guard.of(auth))
 
 
 def _page_params(params: dict[str, str], n_items: int) -> tuple[int, int]:
@@ -344,10 +344,10 @@ def _page_params(params: dict[str, str], n_items: int) -> tuple[int, int]:
 class _Edge:
     """Pure ASGI wrapper: bearer-token check and the latency histogram, around every request."""
 
-    def __init__(self, app: FastAPI, svc: BufferService, token: str | None) -> None:
+    def __init__(self, app: FastAPI, svc: BufferService, guard: Guard) -> None:
         self.app = app
         self.svc = svc
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.guard = guard
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -361,13 +361,10 @@ class _Edge:
                 status[0] = message["status"]
             await send(message)
 
-        if self.expected is not None and scope["path"] not in _OPEN_PATHS:
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
-                await Response(b'{"detail":"missing or wrong bearer token"}', 401, media_type=wire.JSON,
-                               headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_status)
-                self._observe(scope, "unauthorized", status[0], t0)
-                return
+        if not self.guard.allows(scope):
+            await self.guard.deny(scope, receive, send_status)
+            self._observe(scope, "unauthorized", status[0], t0)
+            return
         self.svc.in_flight += 1
         try:
             await self.app(scope, receive, send_status)
@@ -381,9 +378,9 @@ class _Edge:
         self.svc.metrics.latency.labels(method, route, str(status)).observe(time.perf_counter() - t0)
 
 
-def serve(cfg: BufferConfig, log_level: str = "warning") -> None:
+def serve(cfg: BufferConfig, log_level: str = "warning", auth: AuthConfig | None = None) -> None:
     """Run the buffer in this process until SIGINT/SIGTERM (then the store closes cleanly)."""
     import uvicorn
 
-    uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
+    uvicorn.run(create_app(cfg, auth), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=5)

@@ -78,7 +78,7 @@ def config(
                                                    "it resolved, every key with its value"),
 ) -> None:
     """The configuration: its reference, or one file checked and resolved."""
-    from headrace.shared.config import ConfigError, load_config
+    from headrace.shared.config import ConfigError, load_config, redacted
     from headrace.shared.config_reference import config_reference
 
     if reference == (check is not None):
@@ -94,6 +94,4 @@ def config(
     except ConfigError as e:
         typer.echo(f"headrace config: {e}", err=True)
         raise typer.Exit(2) from None
-    if cfg.buffer.token:
-        cfg.buffer.token = "***"
-    typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), nl=False)
+    typer.echo(yaml.safe_dump(redacted(cfg), sort_keys=False), nl=False)

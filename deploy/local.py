@@ -16,8 +16,9 @@ of training within ``buffer.max_staleness`` versions); ``colocated`` forces ``ro
 on_demand`` (generate a batch, release the engines' memory, train, resume memory, sync);
 ``shared.config.rollout_mode`` decides.
 
-Every service starts from ``<out>/config.yaml`` (mode 0600: it may hold ``buffer.token``); the
-buffer too (``headrace buffer serve --config``), so every ``buffer.*`` key of the YAML reaches it.
+Every service starts from ``<out>/config.yaml`` (mode 0600), the buffer too (``headrace buffer
+serve --config``), so every key of the YAML reaches it. The run token (``auth.token``) is written
+there as ``"***"``: every child gets it in its environment (``HEADRACE_TOKEN``), never in argv.
 
 Resume: ``headrace run --resume DIR`` reruns the run in DIR from its last checkpoint: the config is
 DIR/config.yaml, with ``HEADRACE_*`` environment overrides applied on top (e.g.
@@ -47,6 +48,7 @@ from typing import Any
 
 from headrace.deploy.plot import plot_metrics, read_metrics
 from headrace.deploy.supervisor import ChildFailed, Supervisor, headrace_argv
+from headrace.shared.auth import token_env
 from headrace.shared.procs import free_port, port_free
 from headrace.shared.config import ConfigError, HeadraceConfig, check_full_run, load_config, rollout_mode, save_config
 
@@ -114,8 +116,8 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
 
 
 def buffer_argv(config_file: Path) -> list[str]:
-    """The buffer's command: every ``buffer.*`` key (token included) comes from the run's config
-    file, written with mode 0600, so none is lost and no secret shows on a command line."""
+    """The buffer's command: every ``buffer.*`` key comes from the run's config file, so none is
+    lost; the token comes from the environment, so no secret shows on a command line."""
     return headrace_argv("buffer", "serve", "--config", str(config_file))
 
 
@@ -261,7 +263,7 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
           flush=True)
     start = time.monotonic()
     code = 0
-    with Supervisor(out_dir / "logs") as sup:
+    with Supervisor(out_dir / "logs", env=token_env(cfg.auth.token)) as sup:
         try:
             buffer = sup.start("buffer", buffer_argv(config_file))
             sup.wait_healthy(buffer, f"{cfg.buffer.url}/health", 60)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
+from headrace.shared.auth import bind_refusal, module_argv, token_env
 from headrace.shared.config import HeadraceConfig, rollout_mode, save_config
 from headrace.shared.procs import free_port, stop_group, wait_http
 
@@ -93,10 +94,10 @@ def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
 
 def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
     eng = cfg.rollout.engines
-    if eng.backend == "sglang":
+    if eng.backend == "sglang":   # --api-key is added from the child's HEADRACE_TOKEN, not on its command line
         python = eng.python or sys.executable
-        return [python, "-m", "sglang.launch_server", "--model-path", cfg.model, "--host", host, "--port", str(port),
-                "--tp-size", str(eng.tp), *eng.args]
+        return module_argv(python, "sglang.launch_server", ["--model-path", cfg.model, "--host", host, "--port", str(port),
+                                                            "--tp-size", str(eng.tp), *eng.args], cfg.auth.token)
     return [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", cfg.model, "--host", host, "--port", str(port), *eng.args]
 
 
@@ -151,15 +152,17 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         run_cfg.rollout.mode = rollout_mode(run_cfg)
         if not run_cfg.buffer.memory:
             run_cfg.buffer.db = str(run_cfg.buffer.db or out / "buffer.sqlite")
-        if host != "127.0.0.1" and not run_cfg.buffer.token:
-            raise RuntimeError(f"several nodes: the buffer binds {host}, reachable from other hosts, and "
-                               "buffer.token is not set; set HEADRACE_BUFFER__TOKEN (or buffer.token in the YAML)")
-        # the buffer reads every buffer.* key (token included) from the run's config file (mode 0600),
-        # never from its command line; rollout and trainer read the file rewritten below
+        refusal = bind_refusal(host, run_cfg.auth.token, False)
+        if refusal:
+            raise RuntimeError(f"several nodes: the services bind {host}, reachable from other hosts: {refusal}")
+        # the buffer reads every buffer.* key from the run's config file (mode 0600; the token there is
+        # "***"); rollout and trainer read the file rewritten below. The token reaches every actor's
+        # process through its environment only (Ray workers do not inherit the driver's environment).
+        secret = token_env(run_cfg.auth.token)
         config_file = save_config(run_cfg, out / "config.yaml")
         buffer = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote(
             "buffer", [sys.executable, "-m", "headrace.deploy.cli", "buffer", "serve", "--config", str(config_file)],
-            {}, logs, False)
+            secret, logs, False)
         actors.append(buffer)
         _wait_http(f"{run_cfg.buffer.url}/health", buffer, 120)
 
@@ -172,7 +175,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             argv = _engine_argv(cfg, ip, port)
             actor = Service.options(num_cpus=0, num_gpus=share,
                                     scheduling_strategy=on(first)).remote(
-                f"engine{e['engine']}", argv, {"CUDA_VISIBLE_DEVICES": gpu_ids, "OMP_NUM_THREADS": "1"}, logs)
+                f"engine{e['engine']}", argv, {"CUDA_VISIBLE_DEVICES": gpu_ids, "OMP_NUM_THREADS": "1", **secret}, logs)
             actors.append(actor)
             urls.append((f"http://{ip}:{port}", actor))
         for url, actor in urls:
@@ -184,7 +187,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         config_file = save_config(run_cfg, out / "config.yaml")
 
         rollout = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("rollout", [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve",
-                                                     "--config", str(config_file)], {}, logs, False)
+                                                     "--config", str(config_file)], secret, logs, False)
         actors.append(rollout)
         _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)
 
@@ -194,7 +197,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
         trainers = []
         for rank in range(world):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": master,
-                   "MASTER_PORT": master_port, "OMP_NUM_THREADS": str(cfg.trainer.threads or 1)}
+                   "MASTER_PORT": master_port, "OMP_NUM_THREADS": str(cfg.trainer.threads or 1), **secret}
             t = Service.options(num_cpus=0, num_gpus=share,
                                 scheduling_strategy=on(rank)).remote(
                 f"trainer{rank}", [sys.executable, "-m", "headrace.deploy.cli", "train", "--config", str(config_file),

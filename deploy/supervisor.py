@@ -82,8 +82,9 @@ class ChildFailed(RuntimeError):
 class Supervisor:
     """Owns the children of one run; use as a context manager so they are always stopped."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self.env = dict(env or {})   # every child's extra environment (the run token travels here, never in argv)
         self.children: list[Child] = []
 
     def start(self, name: str, argv: Sequence[str], *, threads: int = 1, env: dict[str, str] | None = None,
@@ -92,7 +93,7 @@ class Supervisor:
         log_path = self.log_dir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=child_env(threads, env), start_new_session=True)
+                                 env=child_env(threads, {**self.env, **(env or {})}), start_new_session=True)
         child = Child(name, popen, log_path, log, stop_first=stop_first)
         self.children.append(child)
         return child

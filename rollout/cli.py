@@ -1,4 +1,9 @@
-"""``headrace rollout serve``: argument parsing only; the service is imported when it runs."""
+"""``headrace rollout serve``: argument parsing only; the service is imported when it runs.
+
+The run token (``auth.token``: ``HEADRACE_TOKEN``, ``auth.token_file`` or ``--token-file``; ``--token``
+is refused) protects the service and reaches the engines it launches through their environment.
+Binding the service or launched engines beyond loopback without a token is refused unless ``--insecure``.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +20,17 @@ def serve(
     host: Optional[str] = typer.Option(None, help="interface to bind (default rollout.host)"),
     port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port (default rollout.port, 8200)"),
     buffer_url: Optional[str] = typer.Option(None, help="buffer URL (default buffer.url)"),
+    token_file: Optional[str] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
+                                                        "or set HEADRACE_TOKEN)"),
+    token: Optional[str] = typer.Option(None, hidden=True, help="refused: use --token-file"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow binding a non-loopback address (the service's "
+                                                            "or launched engines') without a token"),
 ) -> None:
     """Serve the rollout service."""
     import logging
     import os
 
+    from headrace.shared.auth import bind_refusal, flag_token
     from headrace.shared.config import ConfigError, load_config
     from headrace.shared.plugins import PluginError
 
@@ -27,7 +38,13 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url})
+        cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url,
+                                   "auth.token": flag_token(token, token_file)})
+        eng = cfg.rollout.engines
+        hosts = [cfg.rollout.host] + ([eng.host] if eng.backend != "external" else [])
+        refusal = next(filter(None, (bind_refusal(h, cfg.auth.token, insecure) for h in hosts)), None)
+        if refusal:
+            raise ValueError(refusal)
         import uvicorn
 
         from headrace.rollout.service import create_app

@@ -41,6 +41,7 @@ from typing import Any
 
 import httpx
 
+from headrace.shared.auth import TOKEN_ENV, bearer_headers, bind_refusal, module_argv, token_env
 from headrace.shared.config import EnginesConfig
 from headrace.shared.procs import child_env, free_port, port_free, stop_group
 
@@ -80,8 +81,9 @@ def advertised_host(bind: str, advertise: str | None) -> str:
 class Fleet:
     """Engines plus their health monitor. ``version`` is the weight version engines hold."""
 
-    def __init__(self, cfg: EnginesConfig, model: str, log_dir: Path) -> None:
+    def __init__(self, cfg: EnginesConfig, model: str, log_dir: Path, token: str | None = None) -> None:
         self.cfg = cfg
+        self.token = token  # the run token: engines are launched with it (environment only), every call sends it
         self.model = model
         self.log_dir = log_dir
         self.engines: list[Engine] = []
@@ -91,7 +93,7 @@ class Fleet:
         self._tasks: set[asyncio.Task[None]] = set()
         # httpcore scans its whole pool for every request: a pool full of idle (or server-closed)
         # keep-alive connections made each batch slower than the last. Keep few, briefly.
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0),
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout_s, connect=5.0), headers=bearer_headers(token),
                                       limits=httpx.Limits(max_connections=4096, max_keepalive_connections=16,
                                                           keepalive_expiry=2.0))
         self._closing = False
@@ -105,13 +107,15 @@ class Fleet:
         if b == "reference":
             cmd = [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", self.model,
                    "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1)]
+            if bind_refusal(self.cfg.host, self.token, False):   # `headrace rollout serve --insecure` allowed it
+                cmd.append("--insecure")
         elif b == "sglang":
             if not self.cfg.python:
                 raise ValueError("rollout.engines.python: backend sglang needs the python of the SGLang venv")
-            cmd = [self.cfg.python, "-m", "sglang.launch_server", "--model-path", self.model,
-                   "--host", self.cfg.host, "--port", str(port)]
+            args = ["--model-path", self.model, "--host", self.cfg.host, "--port", str(port)]
             if self.cfg.tp > 1:
-                cmd += ["--tp-size", str(self.cfg.tp)]
+                args += ["--tp-size", str(self.cfg.tp)]
+            cmd = module_argv(self.cfg.python, "sglang.launch_server", args, self.token)  # --api-key from env
         else:
             raise AssertionError(b)
         return cmd + list(self.cfg.args)
@@ -124,6 +128,8 @@ class Fleet:
                 if k in os.environ:
                     env[k] = os.environ[k]
         env.update(self.cfg.env)
+        env.pop(TOKEN_ENV, None)
+        env.update(token_env(self.token))
         return env
 
     def _launch(self, e: Engine) -> None:

@@ -25,6 +25,8 @@ from urllib.parse import quote
 
 import httpx
 
+from headrace.shared.auth import bearer_headers, module_argv, token_env
+
 if TYPE_CHECKING:
     from headrace.rollout.fleet import Engine, Fleet
 
@@ -95,14 +97,15 @@ class SGLangRouter:
         # /health itself, restarts a dead engine and registers the new one again.
         health = [] if any(a.startswith("--health-check-endpoint") for a in self.args) else \
             ["--health-check-endpoint", "/get_model_info"]
-        cmd = [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *health, *self.args]
+        args = ["--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(free_port()), *health, *self.args]
+        cmd = module_argv(self.python, "sglang_router.launch_router", args, self.fleet.token)  # --api-key from env
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **token_env(self.fleet.token)})
         log.info("sglang-router pid %d on %s: %s", self.proc.pid, self.url, " ".join(cmd))
-        async with httpx.AsyncClient(timeout=5.0) as c:
+        async with httpx.AsyncClient(timeout=5.0, headers=bearer_headers(self.fleet.token)) as c:
             for _ in range(600):
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"sglang-router exited with {self.proc.returncode}; see {self.log_path}")
@@ -141,7 +144,7 @@ class SGLangRouter:
 
     async def engine_replaced(self, engine: "Engine") -> None:
         """A restarted engine: drop its stale registration and register it again."""
-        async with httpx.AsyncClient(timeout=10.0) as c:
+        async with httpx.AsyncClient(timeout=10.0, headers=bearer_headers(self.fleet.token)) as c:
             try:
                 await self._remove(c, engine.url)
                 await self._add(c, engine.url)

@@ -39,6 +39,7 @@ from headrace.rollout.generate import EngineClient, Gate, single_turn
 from headrace.rollout.loop import RolloutLoop, check_generator
 from headrace.rollout.rewards import load_reward
 from headrace.rollout.router import LeastInFlight, SGLangRouter
+from headrace.shared.auth import protect
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.plugins import load_plugin
@@ -94,7 +95,7 @@ class RolloutService:
         self.run_id = rc.run_id or "r" + hashlib.sha1(str(self.state_path.resolve()).encode()).hexdigest()[:8]
         self.log_dir = Path(cfg.run.out) / "logs"
         self.tokenizer = load_tokenizer(cfg.model)
-        self.fleet = Fleet(rc.engines, cfg.model, self.log_dir)
+        self.fleet = Fleet(rc.engines, cfg.model, self.log_dir, token=cfg.auth.token)
         self.gate = Gate()
         self.started = time.time()
 
@@ -115,7 +116,7 @@ class RolloutService:
         self.engine = EngineClient(self.fleet, self.router, self.gate, rc.engines.request_timeout_s,
                                    rc.engines.coalesce_ms / 1000.0, rc.engines.coalesce_max)
         self.http = httpx.AsyncClient(timeout=rc.reward_timeout_s)
-        self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.buffer.token, retries=1, timeout=30.0)
+        self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.auth.token, retries=1, timeout=30.0)
         self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
                                 self.reward_fn, self.filter_fn, self.buffer, self.run_id, self.http)
         # A restarted service must tag samples with the version its engines hold (a trainer may have
@@ -224,6 +225,7 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
 
     app = FastAPI(title="headrace rollout", lifespan=lifespan)
     app.state.service = svc
+    protect(app, cfg.auth)   # 401 without the run token on every endpoint but /health
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

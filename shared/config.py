@@ -25,8 +25,10 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 # The sections are part of this module's API (re-exported for ``from headrace.shared.config import TrainerConfig``).
-from headrace.shared.config_sections import (BufferConfig, DataConfig, EnginesConfig, NumGpus,  # noqa: F401
-                                             RolloutConfig, RunSection, SamplingConfig, TrainerConfig, _Section)
+from headrace.shared.auth import REDACTED, TOKEN_ENV, read_token_file
+from headrace.shared.config_sections import (AuthConfig, BufferConfig, DataConfig, EnginesConfig,  # noqa: F401
+                                             NumGpus, RolloutConfig, RunSection, SamplingConfig, TrainerConfig,
+                                             _Section)
 
 ENV_PREFIX = "HEADRACE_"
 
@@ -45,6 +47,7 @@ class HeadraceConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     run: RunSection = Field(default_factory=RunSection)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
 
     @model_validator(mode="after")
     def _consistent(self) -> "HeadraceConfig":
@@ -107,6 +110,8 @@ _RETIRED = {
     "run.engine_tp": "moved: set rollout.engines.tp",
     "run.warmup_sft_steps": "removed: nothing read it (the demo's warm-up is built in)",
     "run.time_limit_s": "removed: nothing read it (stop a run with Ctrl-C or trainer.steps)",
+    "buffer.token": "moved: the run's one token is auth.token, set with the HEADRACE_TOKEN environment "
+                    "variable or auth.token_file (--token-file), never in a file Headrace writes",
 }
 
 UNSET = object()
@@ -183,27 +188,56 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
             raise ConfigError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
         tree = loaded
         origin = str(p)
-    for key, value in env_overrides(environ).items():
+    env = os.environ if environ is None else environ
+    for key, value in env_overrides(env).items():
         _set_dotted(tree, key, value)
+    if env.get(TOKEN_ENV):
+        _set_dotted(tree, "auth.token", env[TOKEN_ENV])
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(tree, key, value)
     try:
-        return HeadraceConfig.model_validate(tree)
+        cfg = HeadraceConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(_format_error(e, origin)) from None
+    _resolve_token(cfg.auth)
+    return cfg
+
+
+def _resolve_token(auth: AuthConfig) -> None:
+    """``auth.token`` from ``auth.token_file`` when no token was given; a saved config's
+    placeholder (``"***"``) with nothing to replace it is an error, not an open service."""
+    if auth.token and auth.token != REDACTED:
+        return
+    if auth.token_file:
+        try:
+            auth.token = read_token_file(auth.token_file, "auth.token_file")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    elif auth.token == REDACTED:
+        raise ConfigError(f'auth.token is "{REDACTED}", the placeholder a saved config holds in place of the token: '
+                          f"give the token with {TOKEN_ENV} or auth.token_file (--token-file)")
 
 
 def save_config(config: HeadraceConfig, path: str | Path) -> Path:
     """Write the resolved config as YAML (next to a run's outputs), readable by its owner only
-    (mode 0600): it may hold ``buffer.token``, which services started from it read there."""
+    (mode 0600). ``auth.token`` is written as ``"***"``: services started from the file get the
+    token through their environment (``HEADRACE_TOKEN``), never from a file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)           # an existing file keeps its mode through O_CREAT
     with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        f.write(yaml.safe_dump(redacted(config), sort_keys=False))
     return p
+
+
+def redacted(config: HeadraceConfig) -> dict[str, Any]:
+    """The config as a JSON-able dict with ``auth.token`` replaced by ``"***"`` (for files and screens)."""
+    d = config.model_dump(mode="json")
+    if d["auth"]["token"]:
+        d["auth"]["token"] = REDACTED
+    return d
 
 
 def rollout_mode(cfg: HeadraceConfig) -> Literal["continuous", "on_demand"]:

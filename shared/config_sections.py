@@ -22,6 +22,26 @@ def _by(services: str) -> dict[str, str]:
     return {"read_by": services}
 
 
+# ---- auth ------------------------------------------------------------------------------------
+
+
+class AuthConfig(_Section):
+    """The run's one bearer token (DESIGN.md "Trust"), checked by every HTTP service, sent by every client."""
+
+    read_by: ClassVar[str] = "every service"
+    token: str | None = Field(
+        default=None, min_length=1, repr=False,
+        description="bearer token: with it, buffer, rollout service and engines answer 401 without "
+                    "`Authorization: Bearer <token>` on every endpoint but /health (and /metrics); every client "
+                    "sends it. Set it with the HEADRACE_TOKEN environment variable or `token_file`, never on a "
+                    "command line; a saved config.yaml holds \"***\" in its place")
+    token_file: str | None = Field(default=None, min_length=1,
+                                   description="file holding the token (`--token-file` on every serve command); "
+                                               "read when HEADRACE_TOKEN and `token` are unset")
+    protect_metrics: bool = Field(default=False, description="also require the token on /metrics "
+                                  "(Prometheus scrapers then need it)")
+
+
 # ---- buffer ----------------------------------------------------------------------------------
 
 
@@ -46,10 +66,6 @@ class BufferConfig(_Section):
                     "policy_version - max_staleness; the same number sets the rollout's admission cap "
                     "((max_staleness + 1) x groups_per_step groups queued, leased or in flight) and the "
                     "trainer's lease floor (it leases no group older than policy_version - max_staleness)")
-    token: str | None = Field(default=None, min_length=1, json_schema_extra=_by("buffer, rollout, trainer"),
-                              description="bearer token: the buffer answers 401 without it on every endpoint but "
-                                          "/health and /metrics; rollout and trainer send it. Keep it out of "
-                                          "command lines: HEADRACE_BUFFER__TOKEN or `--token-file`")
     max_body_mb: float = Field(default=64.0, gt=0, le=4096,
                                description="largest accepted request body, in MiB; larger is answered 413")
     lease_s: float = Field(default=600.0, gt=0, le=86_400, json_schema_extra=_by("trainer"),

@@ -2,7 +2,8 @@
 
 Every call has a timeout and raises ``RolloutError`` naming the endpoint and the service's
 message on failure; calls that are safe to repeat (status, engines, pause, resume) are retried on
-connection errors, so a rollout service restart in the middle of a run is ridden out.
+connection errors, so a rollout service restart in the middle of a run is ridden out. With the run
+token (``auth.token``) every call carries ``Authorization: Bearer <token>``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from headrace.shared.auth import bearer_headers
 from headrace.shared.weight_sync.protocol import EngineTarget
 
 
@@ -20,11 +22,12 @@ class RolloutError(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, url: str, timeout: float = 600.0, retries: int = 30, backoff_s: float = 0.5) -> None:
+    def __init__(self, url: str, timeout: float = 600.0, retries: int = 30, backoff_s: float = 0.5,
+                 token: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=bearer_headers(token))
 
     def _call(self, method: str, path: str, body: Any = None, *, retry: bool = True, timeout: float | None = None) -> Any:
         attempts = self.retries if retry else 1

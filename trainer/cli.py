@@ -13,17 +13,22 @@ def train(
     config: str = typer.Option(..., help="run YAML"),
     buffer_url: Optional[str] = typer.Option(None, help="buffer URL (default buffer.url)"),
     rollout_url: Optional[str] = typer.Option(None, help="rollout URL; without it, train-only mode"),
+    token_file: Optional[str] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
+                                                        "or set HEADRACE_TOKEN)"),
+    token: Optional[str] = typer.Option(None, hidden=True, help="refused: use --token-file"),
 ) -> None:
     """Lease groups from the buffer, train, bump the policy version, ack."""
     import os
     import sys
     from pathlib import Path
 
+    from headrace.shared.auth import flag_token
     from headrace.shared.config import ConfigError, load_config, save_config
 
-    try:
-        cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": rollout_url})
-    except ConfigError as e:
+    try:   # the token reaches the ranks inside the config they are spawned with, never a file or argv
+        cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": rollout_url,
+                                   "auth.token": flag_token(token, token_file)})
+    except ValueError as e:   # ConfigError, or --token / an unreadable --token-file
         typer.echo(f"headrace train: {e}", err=True)
         raise typer.Exit(2) from None
     t = cfg.trainer

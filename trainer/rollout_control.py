@@ -109,7 +109,8 @@ class EngineControl:
         if self.rank0:
             from headrace.shared.rollout_client import RolloutClient
 
-            self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s))
+            self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s),
+                                         token=cfg.auth.token)
         self.released = False
         self.times: dict[str, float] = {}
 
@@ -174,7 +175,7 @@ class EngineControl:
         engines = self.rollout.engines()
         sender = WeightSender(engines, backend="nccl" if torch.cuda.is_available() else "gloo",
                               master_address=t.sync_address, bucket_bytes=int(t.bucket_mb * (1 << 20)),
-                              timeout_s=t.sync_timeout_s)
+                              timeout_s=t.sync_timeout_s, token=self.cfg.auth.token)
         sender.connect()
         log.info("weight-sync group joined by %d engine(s): %s", len(engines), ", ".join(e.url for e in engines))
         return sender

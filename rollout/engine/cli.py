@@ -35,10 +35,27 @@ def serve(
     max_queued: int = typer.Option(4096, min=1, max=1_000_000, help="most /generate requests waiting for their "
                                    "answer (429 with Retry-After beyond)"),
     parent_pid: Optional[int] = typer.Option(None, min=1, help="stop when this process (the launcher) is gone"),
+    token_file: Optional[str] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
+                                                        "or set HEADRACE_TOKEN)"),
+    token: Optional[str] = typer.Option(None, hidden=True, help="refused: use --token-file"),
+    insecure: bool = typer.Option(False, "--insecure", help="allow binding a non-loopback address without a token"),
     log_level: str = typer.Option("warning", help="uvicorn log level"),
 ) -> None:
     """Serve the reference engine (SGLang 0.5.23 HTTP API subset)."""
     from pathlib import Path
+
+    from headrace.shared.auth import bind_refusal, flag_token
+    from headrace.shared.config import ConfigError, load_config
+
+    try:
+        auth = load_config(None, {"auth.token": flag_token(token, token_file)}).auth
+    except (ValueError, ConfigError) as e:   # ConfigError is a ValueError
+        typer.echo(f"headrace engine serve: {e}", err=True)
+        raise typer.Exit(2) from None
+    refusal = bind_refusal(host, auth.token, insecure)
+    if refusal:
+        typer.echo(f"headrace engine serve: {refusal}", err=True)
+        raise typer.Exit(2)
 
     if not (Path(model) / "config.json").is_file():
         raise typer.BadParameter(f"{model} is not a Hugging Face model directory (no config.json)", param_hint="--model")
@@ -52,4 +69,4 @@ def serve(
         max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
         weight_version=weight_version, logprob_mode=logprob_mode, weight_sync_timeout_s=weight_sync_timeout,
         batch_wait_ms=batch_wait_ms, allowed_weight_dirs=tuple(allowed_weight_dirs or ()), max_body_mb=max_body_mb,
-        max_batch=max_batch, max_queued=max_queued, parent_pid=parent_pid)
+        max_batch=max_batch, max_queued=max_queued, parent_pid=parent_pid, auth=auth)

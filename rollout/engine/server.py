@@ -49,6 +49,7 @@ from headrace.rollout.engine.sampling import LimitError, parse_sampling_params
 from headrace.rollout.engine.scheduler import Scheduler, Seq
 from headrace.rollout.engine.text import TextCodec, eos_token_ids, load_tokenizer_or_none
 from headrace.rollout.engine.updates import WeightUpdates
+from headrace.shared.auth import protect
 
 log = logging.getLogger("headrace.engine")
 VERSION = "0.5.23-headrace-reference"
@@ -292,8 +293,9 @@ async def _json(request: Request) -> Any:
         raise BadRequest(str(e)) from None
 
 
-def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
-    """The FastAPI app of one reference engine; the model is loaded now, the scheduler starts with the app."""
+def build_app(model_dir: str | Path, auth: Any = None, **engine_kwargs: Any) -> FastAPI:
+    """The FastAPI app of one reference engine; the model is loaded now, the scheduler starts with the app.
+    ``auth`` (an ``AuthConfig``): with a token, every endpoint but /health needs it (``shared.auth``)."""
     engine = Engine(model_dir, **engine_kwargs)
 
     @asynccontextmanager
@@ -307,6 +309,7 @@ def build_app(model_dir: str | Path, **engine_kwargs: Any) -> FastAPI:
 
     app = FastAPI(title="headrace reference engine", version=VERSION, lifespan=lifespan)
     app.state.engine = engine
+    protect(app, auth)
 
     @app.exception_handler(BadRequest)
     async def _bad(request: Request, exc: BadRequest) -> Response:  # noqa: ANN202

@@ -54,7 +54,7 @@ def test_buffer_serve_refuses_bad_flags_and_config() -> None:
     p = run(*headrace_cmd("buffer", "serve", "--memory"), env=child_env(HEADRACE_BUFFER__MAX_STALENESS="-4"))
     assert p.returncode == 2 and "buffer.max_staleness" in p.stderr
     p = run(*headrace_cmd("buffer", "serve", "--host", "0.0.0.0", "--memory"))
-    assert p.returncode == 2 and "without buffer.token" in p.stderr and "--insecure" in p.stderr
+    assert p.returncode == 2 and "binding 0.0.0.0 without auth.token" in p.stderr and "--insecure" in p.stderr
     p = run(*headrace_cmd("buffer", "serve", "--token-file", "/nonexistent/token", "--memory"))
     assert p.returncode == 2 and "--token-file /nonexistent/token" in p.stderr
 
@@ -75,7 +75,7 @@ def test_config_reference_is_docs_config_md() -> None:
 
 def test_config_check_resolves_a_file_and_hides_the_token(tmp_path) -> None:
     conf = tmp_path / "run.yaml"
-    conf.write_text("buffer: {token: s3cret, capacity: 12}\n")
+    conf.write_text("auth: {token: s3cret}\nbuffer: {capacity: 12}\n")
     p = run(*headrace_cmd("config", "--check", str(conf)))
     assert p.returncode == 0, p.stderr
     assert "capacity: 12" in p.stdout and "s3cret" not in p.stdout

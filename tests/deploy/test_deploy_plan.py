@@ -119,9 +119,9 @@ def test_compose_services_are_real_headrace_commands() -> None:
     assert services["trainer"]["network_mode"] == "service:rollout" and "ports" not in services["trainer"]
     assert services["trainer"]["init"] is True and services["trainer"]["stop_grace_period"] == "120s"
     assert params["trainer"]["rollout_url"] == f"http://127.0.0.1:{params['rollout']['port']}"
-    for svc in services.values():   # the token reaches every service under the config key buffer.token
-        assert "HEADRACE_BUFFER__TOKEN" in svc["environment"]
-        assert ":?" in svc["environment"]["HEADRACE_BUFFER__TOKEN"]   # required: the buffer binds 0.0.0.0
+    for svc in services.values():   # the run token (auth.token) reaches every service in its environment
+        assert svc["environment"]["HEADRACE_TOKEN"].startswith("${HEADRACE_TOKEN:?")   # required: they bind 0.0.0.0
+        assert not any("token" in str(a).lower() for a in svc["command"])                # never on a command line
     # every service reads the mounted YAML, the buffer too (its buffer.* keys are not lost)
     assert all(params[name]["config"] == "/config/run.yaml" for name in services)
     assert f":{params['buffer']['port']}/health" in " ".join(services["buffer"]["healthcheck"]["test"])

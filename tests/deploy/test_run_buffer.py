@@ -1,7 +1,8 @@
 """``headrace run`` and the Ray launcher start the buffer from the run's config file
 (``headrace buffer serve --config``), so every ``buffer.*`` key of the YAML reaches it. Each test
 starts the buffer exactly as ``headrace run`` does (``deploy.local.buffer_argv`` on the config file
-``save_config`` wrote) as a real process, and checks the running buffer honours the key."""
+``save_config`` wrote, the token in its environment as ``headrace run`` gives it) as a real process,
+and checks the running buffer honours the key."""
 
 from __future__ import annotations
 
@@ -11,21 +12,23 @@ import httpx
 import pytest
 
 from headrace.deploy.local import buffer_argv
+from headrace.shared.auth import token_env
 from headrace.shared.config import load_config, save_config
-from tests.procs import Proc, free_port
+from tests.procs import Proc, child_env, free_port
 
 TOKEN = "tok-3f9a"
 
 
-def start(tmp_path: Path, buffer: dict) -> tuple[Proc, str, Path]:
+def start(tmp_path: Path, buffer: dict, token: str | None = None) -> tuple[Proc, str, Path]:
     """Write a run config with ``buffer`` keys the way headrace run does and start its buffer."""
     port = free_port()
-    cfg = load_config(overrides={"run.out": str(tmp_path / "out"), "buffer.port": port,
+    cfg = load_config(overrides={"run.out": str(tmp_path / "out"), "buffer.port": port, "auth.token": token,
                                  **{f"buffer.{k}": v for k, v in buffer.items()}}, environ={})
     config_file = save_config(cfg, tmp_path / "out" / "config.yaml")
     argv = buffer_argv(config_file)
     assert TOKEN not in " ".join(argv)                     # never on a command line (ps shows it)
-    proc = Proc(argv, tmp_path / "buffer.log", cwd=tmp_path)
+    assert TOKEN not in config_file.read_text()            # nor in a file we write
+    proc = Proc(argv, tmp_path / "buffer.log", env=child_env(**token_env(token)), cwd=tmp_path)
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_http(url + "/health", 60)
@@ -35,8 +38,8 @@ def start(tmp_path: Path, buffer: dict) -> tuple[Proc, str, Path]:
     return proc, url, config_file
 
 
-def test_token_from_the_yaml_protects_the_buffer(tmp_path: Path) -> None:
-    proc, url, config_file = start(tmp_path, {"token": TOKEN, "memory": True})
+def test_the_run_token_protects_the_buffer(tmp_path: Path) -> None:
+    proc, url, config_file = start(tmp_path, {"memory": True}, token=TOKEN)
     try:
         assert config_file.stat().st_mode & 0o777 == 0o600
         assert TOKEN.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()

@@ -3,11 +3,12 @@ once straight through and once with the rollout service killed (SIGKILL) and res
 middle of the run.
 
     headrace buffer serve  --port PB --db DB --token-file F
-    headrace engine serve  --model M --port PE
+    headrace engine serve  --model M --port PE --token-file F
     headrace rollout serve --config C --port PR --buffer-url http://HOST:PB      (C: engines.backend external, urls [engine])
     headrace train         --config C --buffer-url http://HOST:PB --rollout-url http://HOST:PR
 
-The token reaches rollout and trainer through ``HEADRACE_BUFFER__TOKEN``. Checked: the run finishes
+The run token reaches rollout and trainer through ``HEADRACE_TOKEN``; buffer, engine and rollout
+service answer 401 without it, and no process's command line holds it. Checked: the run finishes
 all steps; the buffer consumed exactly steps x groups_per_step groups; no group is stored twice
 (duplicates are counted by the buffer, not stored); every consumed group and every sample uid is
 unique; every prompt slot the rollout's cursor marks done is in the buffer (nothing lost by the
@@ -72,7 +73,7 @@ def test_separately_launched_services(tmp_path: Path, restart: bool) -> None:
         "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 5, "micro_batch_tokens": 256},
         "run": {"placement": "disaggregated", "out": str(out), "eval_every": 0},
     }))
-    env = child_env(HEADRACE_BUFFER__TOKEN=TOKEN)
+    env = child_env(HEADRACE_TOKEN=TOKEN)
     logs = tmp_path / "logs"
     rollout_cmd = headrace_cmd("rollout", "serve", "--config", str(config), "--port", str(pr), "--buffer-url", buffer_url)
     procs: list[Proc] = []
@@ -81,8 +82,8 @@ def test_separately_launched_services(tmp_path: Path, restart: bool) -> None:
         token_file.write_text(TOKEN + "\n")
         buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(pb), "--db", str(db), "--token-file", str(token_file)),
                       logs / "buffer.log", env=child_env())
-        engine = Proc(headrace_cmd("engine", "serve", "--model", str(model), "--port", str(pe), "--threads", "1"),
-                      logs / "engine.log", env=child_env())
+        engine = Proc(headrace_cmd("engine", "serve", "--model", str(model), "--port", str(pe), "--threads", "1",
+                                   "--token-file", str(token_file)), logs / "engine.log", env=child_env())
         procs += [buffer, engine]
         buffer.wait_http(f"{buffer_url}/health", 60)
         engine.wait_http(f"{engine_url}/health", 180)
@@ -118,8 +119,14 @@ def test_separately_launched_services(tmp_path: Path, restart: bool) -> None:
         assert _steps_done(metrics) == STEPS
         assert rollout.alive(), rollout.log()[-4000:]
 
-        # the buffer requires the token: without it data endpoints refuse
+        # every service requires the token: without it data endpoints refuse
         assert httpx.post(f"{buffer_url}/v1/leases", json={"n": 1}).status_code == 401
+        assert httpx.get(f"{engine_url}/get_model_info").status_code == 401
+        assert httpx.get(f"{rollout_url}/v1/status").status_code == 401
+        for p in procs:
+            if p.alive():
+                assert TOKEN.encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes()
+        assert TOKEN not in (out / "trainer_config.yaml").read_text()
         stats = _stats(buffer_url)
         assert stats["consumed"] == STEPS * GROUPS, stats
         assert stats["leased"] == 0, stats

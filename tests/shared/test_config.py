@@ -32,9 +32,9 @@ def test_defaults_and_file(tmp_path: Path) -> None:
 
 def test_precedence_flags_over_env_over_file(tmp_path: Path) -> None:
     path = write(tmp_path, "buffer: {capacity: 12, port: 9001}\n")
-    env = {"HEADRACE_BUFFER__CAPACITY": "34", "HEADRACE_BUFFER__TOKEN": "t", "HEADRACE_LOG_LEVEL": "debug"}
+    env = {"HEADRACE_BUFFER__CAPACITY": "34", "HEADRACE_TOKEN": "t", "HEADRACE_LOG_LEVEL": "debug"}
     cfg = load_config(path, environ=env)
-    assert (cfg.buffer.capacity, cfg.buffer.port, cfg.buffer.token) == (34, 9001, "t")
+    assert (cfg.buffer.capacity, cfg.buffer.port, cfg.auth.token) == (34, 9001, "t")
     cfg = load_config(path, {"buffer.capacity": 56, "buffer.port": None}, environ=env)
     assert (cfg.buffer.capacity, cfg.buffer.port) == (56, 9001)  # None flags do not override
     assert env_overrides({"HEADRACE_ROLLOUT__SAMPLING__TOP_P": "0.9"}) == {"rollout.sampling.top_p": 0.9}
@@ -82,9 +82,9 @@ def test_save_config_is_private(tmp_path: Path) -> None:
     p = tmp_path / "config.yaml"
     p.write_text("old")
     p.chmod(0o644)
-    save_config(load_config(overrides={"buffer.token": "s3cret"}, environ={}), p)
-    assert p.stat().st_mode & 0o777 == 0o600       # it holds the token
-    assert load_config(p, environ={}).buffer.token == "s3cret"
+    save_config(load_config(overrides={"auth.token": "s3cret"}, environ={}), p)
+    assert p.stat().st_mode & 0o777 == 0o600       # private, though the token itself is never written
+    assert "s3cret" not in p.read_text() and load_config(p, environ={"HEADRACE_TOKEN": "s3cret"}).auth.token == "s3cret"
 
 
 @pytest.mark.parametrize("text, keys", [
