@@ -267,7 +267,16 @@ class TrainerConfig(_Section):
     checkpoint_dir: str | None = Field(default=None, min_length=1, description="checkpoint directory; default "
                                        "`<run.out>/ckpt`")
     save_every: int = Field(default=0, ge=0, json_schema_extra=_by("trainer, headrace run"),
-                            description="checkpoint every N steps (0: only at the end; `headrace run` uses 10)")
+                            description="checkpoint every N steps (0: only at the end; `headrace run` uses 10); "
+                                        "groups are acked only once a checkpoint contains them, so this trades "
+                                        "checkpoint cost against replay after a crash (at most N steps' groups "
+                                        "are trained again)")
+    max_rejected_fraction: float = Field(default=0.1, ge=0, le=1, json_schema_extra=_by("trainer"),
+                                         description="groups the trainer refuses (token outside the vocabulary, "
+                                                     "prompts differing within a group, no trainable token, ...) "
+                                                     "are dead-lettered and training goes on; it stops when more "
+                                                     "than this fraction of the groups it leased (counted as at "
+                                                     "least steps x groups_per_step) were rejected")
     lease_wait_s: float = Field(default=30.0, gt=0, le=86_400, description="seconds to wait for a full step of "
                                 "groups per lease attempt (train-only mode stops after one empty attempt)")
     threads: int | None = Field(default=None, ge=1, le=512, json_schema_extra=_by("trainer, headrace run"),

@@ -31,12 +31,21 @@ from headrace.shared.schemas import Group
 
 
 class BadBatchError(ValueError):
-    """A leased batch that cannot be trained on; ``group_id`` names the offending group (or None)."""
+    """A leased batch that cannot be trained on.
 
-    def __init__(self, group_id: str | None, problem: str) -> None:
-        self.group_id = group_id
+    ``problems`` maps each offending group id to what is wrong with it (every bad group of the
+    batch, not only the first); ``group_ids`` lists them (empty for a batch with no groups; every
+    group of the batch when none has a trainable token). The trainer rejects exactly these groups
+    (``POST /v1/leases/{id}/reject``) and trains the others later."""
+
+    def __init__(self, group_ids: str | list[str] | None, problem: str,
+                 problems: dict[str, str] | None = None) -> None:
+        ids = [group_ids] if isinstance(group_ids, str) else list(group_ids or [])
+        self.group_ids = ids
+        self.group_id = ids[0] if ids else None
         self.problem = problem
-        where = f"group {group_id!r}: " if group_id is not None else ""
+        self.problems = problems if problems is not None else {g: problem for g in ids}
+        where = f"group {ids[0]!r}: " if len(ids) == 1 else ""
         super().__init__(f"bad batch: {where}{problem}")
 
 
@@ -104,50 +113,70 @@ def _as_group(g: Any) -> Group:
         raise BadBatchError(gid, f"invalid group: {e}") from None
 
 
+def _group_rows(raw: Any, vocab_size: int, max_seq_len: int | None) -> tuple[str, list[SampleRow]]:
+    """One group's samples as rows; ``BadBatchError`` naming the group if any sample is unusable."""
+    g = _as_group(raw)
+    gid = g.group_id
+    rows: list[SampleRow] = []
+    prompt: tuple[int, ...] | None = None
+    for s in sorted(g.samples, key=lambda s: s.index):
+        toks = tuple(s.tokens)
+        failed = s.status == "failed" or s.reward is None
+        if failed:  # never fed to the model: only kept for bookkeeping
+            rows.append(SampleRow(gid, s.uid, toks, len(toks) - s.response_length, tuple(s.loss_mask),
+                                  None, None, s.weight_version))
+            continue
+        bad = [t for t in toks if t < 0 or t >= vocab_size]
+        if bad:
+            raise BadBatchError(gid, f"sample {s.uid!r}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if max_seq_len is not None and len(toks) > max_seq_len:
+            raise BadBatchError(gid, f"sample {s.uid!r}: {len(toks)} tokens exceed the model's context of {max_seq_len}")
+        p = len(toks) - s.response_length
+        if p < 1:
+            raise BadBatchError(gid, f"sample {s.uid!r}: empty prompt (response_length {s.response_length} == len(tokens))")
+        if prompt is None:
+            prompt = toks[:p]
+        elif toks[:p] != prompt:
+            raise BadBatchError(gid, f"sample {s.uid!r}: prompt tokens differ from the group's first sample "
+                                     f"(lengths {p} vs {len(prompt)})")
+        if not math.isfinite(float(s.reward)):
+            raise BadBatchError(gid, f"sample {s.uid!r}: reward {s.reward} is not finite")
+        rows.append(SampleRow(gid, s.uid, toks, p, tuple(s.loss_mask),
+                              None if s.rollout_logprobs is None else tuple(s.rollout_logprobs),
+                              float(s.reward), s.weight_version))
+    return gid, rows
+
+
 def build_batch(groups: Sequence[Any], *, vocab_size: int, max_seq_len: int | None = None) -> TrainBatch:
-    """Validate leased groups (``Group`` models or their dicts) and lay them out for training."""
+    """Validate leased groups (``Group`` models or their dicts) and lay them out for training; every
+    bad group is named in the one ``BadBatchError``."""
     if not groups:
         raise BadBatchError(None, "empty batch: no groups")
     samples: list[SampleRow] = []
     group_ids: list[str] = []
     sizes: list[int] = []
+    problems: dict[str, str] = {}
     for raw in groups:
-        g = _as_group(raw)
-        gid = g.group_id
-        prompt: tuple[int, ...] | None = None
-        for s in sorted(g.samples, key=lambda s: s.index):
-            toks = tuple(s.tokens)
-            failed = s.status == "failed" or s.reward is None
-            if failed:  # never fed to the model: only kept for bookkeeping
-                samples.append(SampleRow(gid, s.uid, toks, len(toks) - s.response_length, tuple(s.loss_mask),
-                                         None, None, s.weight_version))
-                continue
-            bad = [t for t in toks if t < 0 or t >= vocab_size]
-            if bad:
-                raise BadBatchError(gid, f"sample {s.uid!r}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-            if max_seq_len is not None and len(toks) > max_seq_len:
-                raise BadBatchError(gid, f"sample {s.uid!r}: {len(toks)} tokens exceed the model's context of {max_seq_len}")
-            p = len(toks) - s.response_length
-            if p < 1:
-                raise BadBatchError(gid, f"sample {s.uid!r}: empty prompt (response_length {s.response_length} == len(tokens))")
-            if prompt is None:
-                prompt = toks[:p]
-            elif toks[:p] != prompt:
-                raise BadBatchError(gid, f"sample {s.uid!r}: prompt tokens differ from the group's first sample "
-                                         f"(lengths {p} vs {len(prompt)})")
-            if not math.isfinite(float(s.reward)):
-                raise BadBatchError(gid, f"sample {s.uid!r}: reward {s.reward} is not finite")
-            samples.append(SampleRow(gid, s.uid, toks, p, tuple(s.loss_mask),
-                                     None if s.rollout_logprobs is None else tuple(s.rollout_logprobs),
-                                     float(s.reward), s.weight_version))
+        try:
+            gid, rows = _group_rows(raw, vocab_size, max_seq_len)
+        except BadBatchError as e:
+            if e.group_id is None:   # no id to name it by: the whole batch is refused
+                raise
+            problems.setdefault(e.group_id, e.problem)
+            continue
+        samples.extend(rows)
         group_ids.append(gid)
-        sizes.append(len(g.samples))
+        sizes.append(len(rows))
+    if problems:
+        if len(problems) == 1:
+            raise BadBatchError(list(problems), next(iter(problems.values())), problems)
+        raise BadBatchError(list(problems), "; ".join(f"group {g!r}: {p}" for g, p in problems.items()), problems)
     if len(set(group_ids)) != len(group_ids):
         dup = next(g for g in group_ids if group_ids.count(g) > 1)
         raise BadBatchError(dup, "group appears twice in the batch")
     if not any(s.trained_tokens for s in samples):
-        raise BadBatchError(None, f"empty batch: no trainable token in groups {group_ids} "
-                                  "(all samples failed, empty responses or loss_mask 0)")
+        raise BadBatchError(group_ids, f"empty batch: no trainable token in groups {group_ids} "
+                                       "(all samples failed, empty responses or loss_mask 0)")
     return TrainBatch(samples, group_ids, sizes)
 
 

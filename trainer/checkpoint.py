@@ -9,9 +9,12 @@ Layout under ``checkpoint_dir``::
     latest                 the name of the newest complete checkpoint
 
 Guarantees:
-- A checkpoint is complete or absent: ranks write into ``step_N.tmp`` and rank 0 renames it to
-  ``step_N`` after a barrier, then rewrites ``latest`` atomically (write + rename). A crash while
-  saving leaves the previous checkpoint as ``latest``.
+- A checkpoint is complete or absent, and durable once written: ranks write into ``step_N.tmp``
+  and fsync their files; after a barrier rank 0 fsyncs ``meta.json`` and the directory, renames it
+  to ``step_N``, then rewrites ``latest`` atomically (write + fsync + rename) and fsyncs the parent
+  directory. A crash (or power loss) while saving leaves the previous checkpoint as ``latest``;
+  once ``save`` returns a path, that checkpoint survives one. The trainer acks the groups of the
+  steps it contains only then (``trainer.lease``).
 - Model and optimizer shards are written once per TP rank (by DP rank 0; DP replicas are equal).
 - ``load_checkpoint`` restores model, optimizer, scheduler, step, policy version, data positions and
   every RNG, so the next step computes the same loss, bit for bit, as an uninterrupted run on the
@@ -63,6 +66,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's contents (a directory: its entries, e.g. a rename) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -81,18 +100,22 @@ def save_checkpoint(st: TrainerState, checkpoint_dir: str | Path, keep: int = 2)
     if info.dp_rank == 0:
         torch.save({"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
                     "scheduler": st.scheduler.state_dict()}, tmp / f"model_tp{info.tp_rank}.pt")
+        _fsync(tmp / f"model_tp{info.tp_rank}.pt")
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
+    _fsync(tmp / f"rng_rank{info.rank}.pt")
     _barrier()
     if info.rank == 0:
         meta = {"step": st.step, "policy_version": st.policy_version, "groups_consumed": st.groups_consumed,
                 "samples_consumed": st.samples_consumed, "tp": info.tp, "dp": info.dp, "extra": st.extra}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        _write_durably(tmp / "meta.json", json.dumps(meta, indent=1))
+        _fsync(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         latest_tmp = root / "latest.tmp"
-        latest_tmp.write_text(final.name)
+        _write_durably(latest_tmp, final.name)
         os.replace(latest_tmp, root / "latest")
+        _fsync(root)
         if keep > 0:
             old = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
             for p in old[:-keep]:
@@ -166,7 +189,8 @@ class Checkpointer:
         return step != self.saved_step and (last or (self.every > 0 and step % self.every == 0))
 
     def save(self, step: int, *, last: bool = False) -> Path | None:
-        """Call after every step (``last=True`` when training stops); writes when ``due``. Collective."""
+        """Call after every step (``last=True`` when training stops); writes when ``due``. Returns the
+        checkpoint's path when it wrote one (durable: see the module docstring), else None. Collective."""
         if step != self.st.step:
             raise ValueError(f"save({step}) but the trainer state is at step {self.st.step}")
         if not self.due(step, last):

@@ -1,4 +1,5 @@
-"""Rank 0's side of the buffer: lease a step's groups, validate them, ack or release the lease.
+"""Rank 0's side of the buffer: lease a step's groups, validate them, reject the bad ones, hold the
+trained leases until a checkpoint covers them, then ack them.
 
 Why rank 0 leases for everyone and broadcasts the batch (instead of each DP rank leasing its share):
 one lease per step means one ack or one release — a step is consumed or returned whole, never
@@ -8,12 +9,25 @@ which every rank then has without extra communication. The batch is token ids an
 token: broadcasting it costs little next to a training step. ``trainer.batch`` then gives each DP
 rank a token-balanced share.
 
-Guarantees:
+Guarantees (DESIGN.md "Exactly-once consumption"):
+- A group is acked only once a durable checkpoint contains the update it went into: ``hold``
+  marks a trained step's lease held (``extend`` with ``trained: true``); ``ack_held`` acks every
+  held lease, and is called only after ``Checkpointer.save`` wrote. Until then ``LeaseKeeper``
+  extends them. After a kill -9 of the trainer they expire and their groups are trained again by
+  the resumed trainer (from the last checkpoint, which does not contain them).
 - A bad batch (``BadBatchError``: token outside the vocabulary, prompts that differ within a
-  group, non-finite reward, no trainable token, ...) is released, not acked, before ``next`` raises
-  the error (naming the group) on every rank.
-- ``release_on_failure`` releases the lease when anything in its block raises, then lets the error
-  propagate; only ``ack`` consumes it.
+  group, non-finite reward, no trainable token, ...) is never trained: its bad groups are rejected
+  (``POST /v1/leases/{id}/reject`` with the reason: dead-lettered, the lease's other groups back
+  at the head of the queue), the reason is logged and ``next`` leases again. ``next`` raises the
+  error on every rank only when the groups rejected exceed ``trainer.max_rejected_fraction`` of
+  the groups leased, counting at least a whole run (``trainer.steps x groups_per_step``) so that
+  one poison group early in a run does not stop it (counts are per trainer process).
+- ``release_on_failure`` releases the step's lease when anything in its block raises, then lets
+  the error propagate; ``release_held`` returns held leases whose training will not be saved.
+- Buffer outages: every call is retried (``trainer.buffer_link.retrying``: logged, bounded by
+  ``BUFFER_OUTAGE_S``); an ack, extend or reject answered 409/404 (the lease expired, e.g. a
+  buffer restart took longer than ``buffer.lease_s``) is logged, not fatal: those groups are back
+  in the queue and will be trained again.
 - Train-only mode (no rollout URL): ``next`` returns None when fewer than ``groups_per_step``
   groups arrive within ``lease_wait_s``. With a rollout URL it waits.
 - A SIGTERM (``StopRequest``) is noticed by a rank 0 waiting for groups within ``STOP_POLL_S``;
@@ -33,9 +47,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from headrace.shared.client import BufferError
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.staleness import lease_floor
 from headrace.trainer.batch import BadBatchError, TrainBatch, build_batch
+from headrace.trainer.buffer_link import LeaseKeeper, expired, retrying
 
 log = logging.getLogger("headrace.trainer")
 
@@ -73,6 +89,10 @@ class StopRequest:
         return bool(flag.item() > 0)
 
 
+class StopInterrupt(Exception):
+    """A SIGTERM that ended a wait on others (a weight sync) instead of letting the step finish."""
+
+
 @dataclass
 class Leased:
     lease_id: str | None
@@ -89,12 +109,19 @@ class LeaseSource:
         self.cfg, self.rank, self.train_only = cfg, rank, rollout_url is None
         self.stop = stop or StopRequest()
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
-        self.client = None
+        self.client: Any = None
+        self.keeper: LeaseKeeper | None = None
         self.min_version = 0      # leases take no group older than policy_version - max_staleness
+        self.held: list[Leased] = []             # trained, not yet in a checkpoint (rank 0)
+        self.groups_leased = self.groups_rejected = self.groups_acked = self.groups_replayed = 0
         if rank == 0:
             from headrace.shared.client import BufferClient
 
-            self.client = BufferClient(buffer_url, token=cfg.buffer.token)
+            self.client = BufferClient(buffer_url, token=cfg.auth.token, retries=0)   # retried here, logged
+            self.keeper = LeaseKeeper(buffer_url, cfg.auth.token, cfg.buffer.lease_s)
+
+    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return retrying(what, getattr(self.client, method), *args, stopping=lambda: self.stop.requested, **kwargs)
 
     def _lease_rank0(self) -> dict[str, Any]:
         n = self.cfg.rollout.groups_per_step
@@ -104,30 +131,61 @@ class LeaseSource:
         while True:
             if self.stop.requested:
                 return {"kind": "stop", "reason": "stop requested (SIGTERM) while waiting for groups"}
-            lease = self.client.lease(n, wait_s=min(STOP_POLL_S, max(0.05, attempt + wait_s - time.perf_counter())),
-                                      lease_s=self.cfg.buffer.lease_s, min_weight_version=self.min_version or None)
-            if lease is not None:
-                break
-            if time.perf_counter() - attempt < wait_s:
+            lease = self._call("lease", "lease", n, lease_s=self.cfg.buffer.lease_s,
+                               wait_s=min(STOP_POLL_S, max(0.05, attempt + wait_s - time.perf_counter())),
+                               min_weight_version=self.min_version or None)
+            if lease is None:
+                if time.perf_counter() - attempt < wait_s:
+                    continue
+                attempt = time.perf_counter()
+                if self.train_only:
+                    st = self._call("stats", "stats")
+                    return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
+                                                      f"within {self.cfg.trainer.lease_wait_s}s (queued {st.queued}, "
+                                                      f"leased {st.leased}, consumed {st.consumed})"}
+                log.info("waiting for %d groups in the buffer", n)
                 continue
-            attempt = time.perf_counter()
-            if self.train_only:
-                st = self.client.stats()
-                return {"kind": "stop", "reason": f"train-only mode: the buffer did not hold {n} groups "
-                                                  f"within {self.cfg.trainer.lease_wait_s}s (queued {st.queued}, "
-                                                  f"leased {st.leased}, consumed {st.consumed})"}
-            log.info("waiting for %d groups in the buffer", n)
-        wait = time.perf_counter() - t0
+            self.groups_leased += len(lease.groups)
+            try:
+                batch = build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+            except BadBatchError as e:
+                stop = self._reject(lease.lease_id, e)
+                if stop is not None:
+                    return stop
+                attempt = time.perf_counter()   # the rest of the lease is back at the head of the queue
+                continue
+            if self.keeper is not None:
+                self.keeper.track(lease.lease_id, trained=False)
+            wv = min(g.weight_version for g in lease.groups)
+            return {"kind": "batch", "leased": Leased(lease.lease_id, batch, wv, time.perf_counter() - t0)}
+
+    def _reject(self, lease_id: str, e: BadBatchError) -> dict[str, Any] | None:
+        """Dead-letter the bad groups of a lease (the rest go back to the queue); the error message
+        for every rank when too many were rejected (or the error names no group), else None."""
+        if not e.group_ids:
+            self._call("release", "release", lease_id)
+            return {"kind": "error", "group_ids": [], "problem": e.problem + f" (lease {lease_id} released, not acked)"}
+        reason = e.problem if len(e.group_ids) == 1 else str(e).removeprefix("bad batch: ")
         try:
-            batch = build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
-        except BadBatchError as e:
-            self.client.release(lease.lease_id)
-            return {"kind": "error", "group_id": e.group_id, "problem": e.problem, "lease_id": lease.lease_id}
-        wv = min(g.weight_version for g in lease.groups)
-        return {"kind": "batch", "leased": Leased(lease.lease_id, batch, wv, wait)}
+            self._call("reject", "reject_lease", lease_id, e.group_ids, reason)
+        except Exception as err:  # expired or unreachable: the groups come back and are rejected then
+            log.warning("rejecting groups %s of lease %s failed (%s); they will be leased and checked again",
+                        e.group_ids, lease_id, err)
+        else:
+            self.groups_rejected += len(e.group_ids)
+        log.warning("rejected %d group(s) of lease %s (dead-lettered, the lease's other groups are back in the "
+                    "queue): %s", len(e.group_ids), lease_id, str(e))
+        limit = self.cfg.trainer.max_rejected_fraction
+        floor = self.cfg.trainer.steps * self.cfg.rollout.groups_per_step
+        if self.groups_rejected > limit * max(self.groups_leased, floor):
+            return {"kind": "error", "group_ids": e.group_ids,
+                    "problem": f"{e.problem}; {self.groups_rejected} of the {self.groups_leased} groups leased were "
+                               f"rejected, more than trainer.max_rejected_fraction={limit} allows: stopping"}
+        return None
 
     def next(self) -> Leased | None:
-        """The next batch on every rank; raises ``BadBatchError`` on every rank for a bad one."""
+        """The next batch on every rank; raises ``BadBatchError`` on every rank when too many groups were
+        rejected."""
         msg = [self._lease_rank0() if self.rank == 0 else None]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(msg, src=0)
@@ -136,7 +194,7 @@ class LeaseSource:
             log.info(m["reason"])
             return None
         if m["kind"] == "error":
-            raise BadBatchError(m["group_id"], m["problem"] + f" (lease {m['lease_id']} released, not acked)")
+            raise BadBatchError(m["group_ids"], m["problem"])
         return m["leased"]
 
     @contextmanager
@@ -145,27 +203,74 @@ class LeaseSource:
         try:
             yield
         except BaseException:
-            try:
-                self._finish(leased, ok=False)
-            except Exception as e:  # the buffer is unreachable too: report, don't mask the original
-                log.warning("releasing lease %s after a failed step failed: %s", leased.lease_id, e)
+            self._release([leased], "after a failed step")
             raise
 
-    def ack(self, leased: Leased) -> None:
-        """The step's groups are consumed (rank 0)."""
-        self._finish(leased, ok=True)
-
-    def _finish(self, leased: Leased, ok: bool) -> None:
+    def hold(self, leased: Leased) -> None:
+        """The step is trained: its lease is held (``trained: true``) until a checkpoint covers it (rank 0)."""
         if self.client is None or leased.lease_id is None:
             return
-        (self.client.ack if ok else self.client.release)(leased.lease_id)
+        try:
+            self._call("extend", "extend_lease", leased.lease_id, self.cfg.buffer.lease_s, trained=True)
+        except Exception as e:
+            if not (isinstance(e, BufferError) and expired(e)):
+                self._release([leased], "after a failed extend")
+                raise
+            self._replayed(leased, e)
+            return
+        self.held.append(leased)
+        if self.keeper is not None:
+            self.keeper.track(leased.lease_id, trained=True)
+
+    def ack_held(self) -> None:
+        """A checkpoint containing every held step is durable: ack them all (rank 0)."""
+        held, self.held = self.held, []
+        for leased in held:
+            if self.keeper is not None:
+                self.keeper.forget(leased.lease_id)
+            try:
+                self._call("ack", "ack", leased.lease_id)
+            except Exception as e:
+                if not (isinstance(e, BufferError) and expired(e)):
+                    raise
+                self._replayed(leased, e)
+            else:
+                self.groups_acked += leased.batch.num_groups
+        if held:
+            log.info("acked %d lease(s) covered by the checkpoint (%d groups consumed by this trainer)",
+                     len(held), self.groups_acked)
+
+    def release_held(self, why: str) -> None:
+        """Return every held lease: their training will not be saved, they will be trained again."""
+        held, self.held = self.held, []
+        if held:
+            log.warning("releasing %d held lease(s) %s: their groups will be trained again", len(held), why)
+        self._release(held, why)
+
+    def _replayed(self, leased: Leased, e: Exception) -> None:
+        self.groups_replayed += leased.batch.num_groups
+        log.warning("lease %s expired before its checkpoint (%s): its %d groups %s are back in the queue and will "
+                    "be trained again", leased.lease_id, e, leased.batch.num_groups, leased.batch.group_ids)
+
+    def _release(self, leases: list[Leased], why: str) -> None:
+        for leased in leases:
+            if self.client is None or leased.lease_id is None:
+                continue
+            if self.keeper is not None:
+                self.keeper.forget(leased.lease_id)
+            try:
+                self._call("release", "release", leased.lease_id)
+            except Exception as e:  # the buffer is unreachable too: report, don't mask the original
+                log.warning("releasing lease %s %s failed: %s", leased.lease_id, why, e)
 
     def set_policy_version(self, v: int) -> None:
         """Tell the buffer (rank 0) the trainer's policy version; later leases skip groups too stale for it."""
         self.min_version = lease_floor(v, self.cfg.buffer.max_staleness)
         if self.client is not None:
-            self.client.set_policy_version(v)
+            self._call("policy_version", "set_policy_version", v)
 
     def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
         if self.client is not None:
             self.client.close()

@@ -4,35 +4,44 @@ One loop per rollout mode (``headrace.shared.config.rollout_mode``: colocated pl
 on_demand), each phase one line::
 
     on_demand (colocated): generate -> release memory -> lease -> train -> publish version
-                           -> resume memory -> sync weights -> resume(v) -> ack -> evaluate
+                           -> resume memory -> sync weights -> resume(v) -> hold -> evaluate
     continuous (async):    lease -> train -> publish version -> pause -> sync weights -> resume(v)
-                           -> ack -> evaluate
+                           -> hold -> evaluate
 
 then, after every step: log its metrics row (``trainer.metrics.StepMetrics``), hand the step to the
-checkpointer (``trainer.checkpoint.Checkpointer`` decides whether to write), agree on a stop.
+checkpointer (``trainer.checkpoint.Checkpointer`` decides whether to write) and, when it wrote, ack
+every held lease; agree on a stop. "hold" marks the step's lease trained (held, kept alive) until a
+durable checkpoint contains the step: a group is consumed exactly when that checkpoint exists.
 "publish version" is policy_version += 1 and ``PUT /v1/policy_version``. The phases that involve
 the engines are methods of a ``RolloutControl`` (``trainer.rollout_control``: ``NoRollout`` in
 train-only mode, ``EngineControl`` with a rollout URL, or the ``trainer.weight_sync_hook`` plugin);
-the lease, its validation and its ack or release are ``trainer.lease.LeaseSource``'s (rank 0
+the lease, its validation, rejection, hold, ack or release are ``trainer.lease.LeaseSource``'s (rank 0
 leases for every rank and broadcasts the batch; its docstring says why); the update is
 ``trainer.step.train_step``.
 
 Guarantees:
-- A bad batch (``BadBatchError``: token outside the vocabulary, prompts that differ within a
-  group, non-finite reward, no trainable token, ...) is released, not acked; the error names the
-  group; model, optimizer and counters are exactly as before the lease (a checkpoint of that state
-  is written when anything was trained since the last one) and the loop stops with the error.
-- Any failure during a step before its ack (train, publish, memory, sync, resume) releases the
-  lease on rank 0 before the error propagates.
+- Exactly-once: a step's lease is acked only after a durable checkpoint containing the step was
+  written (every ``trainer.save_every`` steps, and when the loop ends for any reason but an
+  error). After a kill -9 the held leases expire and the resumed trainer trains their groups again.
+- A bad group (``BadBatchError``: token outside the vocabulary, prompts that differ within a
+  group, non-finite reward, no trainable token, ...) is rejected (dead-lettered with its reason,
+  logged) and training goes on; only when more than ``trainer.max_rejected_fraction`` of the
+  groups leased were rejected does the loop stop with the error, after a checkpoint of the state
+  before the bad lease (and the ack of what it covers).
+- Any failure during a step before its hold (train, publish, memory, sync, resume) releases the
+  lease on rank 0 before the error propagates; an error that ends training releases the held
+  leases too (their training is not saved: they will be trained again).
 - Train-only mode (no rollout URL): the loop trains on what the buffer holds and stops cleanly when
   fewer than ``groups_per_step`` groups arrive within ``lease_wait_s``. With a rollout URL it waits.
 - Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version),
   and before the first step pushes the restored weights to the engines, so they never serve the
   initial weights under the resumed version. A fresh run evaluates first (the step-0 baseline).
 - SIGTERM (preemption, ``docker stop``, ``headrace run``'s Ctrl-C) is a request to stop: the step
-  in progress finishes and is acked, every rank agrees at the step boundary, a checkpoint of that
-  step is written and the loop returns normally (no HF export: the run is not finished). A rank 0
-  waiting for groups notices within ``trainer.lease.STOP_POLL_S``.
+  in progress finishes (unless it waits on a weight sync: ``StopInterrupt`` abandons the sync, the
+  step's lease and the held ones are released, nothing is saved: the run resumes from the last
+  checkpoint and trains those groups again), every rank agrees at the step boundary, a checkpoint of that step is
+  written, every held lease is acked and the loop returns normally (no HF export: the run is not
+  finished). A rank 0 waiting for groups notices within ``trainer.lease.STOP_POLL_S``.
 """
 
 from __future__ import annotations
@@ -50,7 +59,7 @@ import torch
 from headrace.shared.config import HeadraceConfig, rollout_mode
 from headrace.trainer.batch import BadBatchError
 from headrace.trainer.checkpoint import Checkpointer, export_hf
-from headrace.trainer.lease import Leased, LeaseSource, StopRequest
+from headrace.trainer.lease import Leased, LeaseSource, StopInterrupt, StopRequest
 from headrace.trainer.metrics import MetricsWriter, StepMetrics
 from headrace.trainer.optim import build_optimizer, build_scheduler
 from headrace.trainer.rollout_control import RolloutControl, build_rollout_control
@@ -95,13 +104,18 @@ class Run:
         return out
 
     def end_step(self, leased: Leased, train: dict[str, float]) -> bool:
-        """ack -> evaluate -> metrics row -> checkpoint (the checkpointer decides) -> agree on a
-        stop. True when every rank agreed to stop."""
-        self.source.ack(leased)
+        """hold -> evaluate -> metrics row -> checkpoint (the checkpointer decides) and ack -> agree
+        on a stop. True when every rank agreed to stop."""
+        self.source.hold(leased)
         st = self.st
         self.metrics.log_step(train, st.policy_version, leased, self.rollout.phase_times(), self.rollout.evaluate(st.step))
-        self.ckpt.save(st.step)
+        self.checkpoint()
         return self.stop.agreed()
+
+    def checkpoint(self, last: bool = False) -> None:
+        """Hand the step to the checkpointer; once it wrote (durably), ack every held lease."""
+        if self.ckpt.save(self.st.step, last=last) is not None:
+            self.source.ack_held()
 
 
 def train_on_demand(r: Run) -> bool:
@@ -122,7 +136,7 @@ def train_on_demand(r: Run) -> bool:
             rollout.resume_memory()
             rollout.sync_weights(st)
             rollout.resume(st.policy_version)
-        if r.end_step(leased, train):           # ack -> evaluate -> metrics -> checkpoint -> stop?
+        if r.end_step(leased, train):           # hold -> evaluate -> metrics -> checkpoint, ack -> stop?
             return True
     return False
 
@@ -143,7 +157,7 @@ def train_continuous(r: Run) -> bool:
             rollout.pause()
             rollout.sync_weights(st)
             rollout.resume(st.policy_version)
-        if r.end_step(leased, train):           # ack -> evaluate -> metrics -> checkpoint -> stop?
+        if r.end_step(leased, train):           # hold -> evaluate -> metrics -> checkpoint, ack -> stop?
             return True
     return False
 
@@ -207,16 +221,24 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
             metrics = StepMetrics(MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None)
                                   if info.rank == 0 else None)
             cleanup.callback(metrics.close)
-            rollout = rollout or build_rollout_control(cfg, info, rollout_url)
+            rollout = rollout or build_rollout_control(cfg, info, rollout_url, stop)
             cleanup.callback(rollout.close)
             source.set_policy_version(st.policy_version)
-            loop = LOOPS[rollout_mode(cfg)]
+            run = Run(st, t.steps, source, rollout, ckpt, metrics, stop)
             try:
-                stopped = loop(Run(st, t.steps, source, rollout, ckpt, metrics, stop))
-            except BadBatchError:   # raised by the lease only: nothing of the bad batch was trained
-                ckpt.save(st.step, last=True)
+                stopped = LOOPS[rollout_mode(cfg)](run)
+            except BadBatchError:   # too many rejected, raised by the lease only: nothing of it was trained
+                run.checkpoint(last=True)
                 raise
-            ckpt.save(st.step, last=True)
+            except StopInterrupt as e:   # mid-sync: the model holds a step whose lease was released
+                log.warning("%s; no checkpoint of step %d", e, st.step)
+                source.release_held("after SIGTERM during a weight sync (training since the last checkpoint is lost)")
+                return {"rank": info.rank, "step": ckpt.saved_step, "policy_version": None,
+                        "groups_consumed": None, "last": metrics.last, "stopped": True}
+            except BaseException:
+                source.release_held("after an error (the state that trained them is not saved)")
+                raise
+            run.checkpoint(last=True)
             if stopped:
                 log.info("stopped at step %d on request; checkpoint in %s", st.step, ckpt.directory)
             elif t.export_hf:

@@ -16,8 +16,11 @@ module:function`` when set (called on every rank as ``factory(config, info, roll
 object it returns implements ``RolloutControl``), else ``EngineControl`` with a rollout URL and
 ``NoRollout`` without.
 
-Guarantees of ``EngineControl``: the rollout resumes only after every engine confirmed the new
-weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
+Guarantees of ``EngineControl``: a weight sync (joining the weight-sync group, then each update)
+is bounded by ``trainer.sync_timeout_s`` (``WeightSyncError`` naming the engine that did not
+answer) and, given the run's ``StopRequest``, interrupted by SIGTERM within ``STOP_POLL_S``
+(``StopInterrupt``: the sync is abandoned in its thread; the next trainer's connect clears what it
+left on the engines); the rollout resumes only after every engine confirmed the new weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
 engine, and the step fails with its lease released); evaluation (``eval_score`` = pass@1 on the
 held-out prompts, ``eval_reward_mean``) runs at step 0 of a fresh run, every ``run.eval_every``
 steps and at the last step (``trainer.steps``): it owns that cadence like the checkpointer owns its
@@ -27,10 +30,13 @@ own; memory released for a step that then fails is resumed at ``close``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any, Callable, Protocol
 
 from headrace.shared.config import HeadraceConfig
+from headrace.trainer.lease import StopInterrupt, StopRequest
 
 log = logging.getLogger("headrace.trainer.rollout")
 
@@ -100,8 +106,10 @@ class NoRollout:
 class EngineControl:
     """The rollout service and its engines (see the module docstring)."""
 
-    def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str) -> None:
-        self.cfg, self.info = cfg, info
+    STOP_POLL_S = 0.2   # how soon a SIGTERM interrupts a weight sync
+
+    def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str, stop: StopRequest | None = None) -> None:
+        self.cfg, self.info, self.stop = cfg, info, stop
         self.rank0 = info.rank == 0
         self.gathers = info.dp_rank == 0          # TP ranks of replica 0 join the hf_state_dict collective
         self.rollout = None
@@ -148,9 +156,31 @@ class EngineControl:
                 pass
             return
         if self.sender is None:
-            self.sender = self._connect()
-        self.sender.update(named, st.policy_version)
+            self.sender = self._until_stopped("joining the weight-sync group", self._connect)
+        self._until_stopped(f"weight sync of version {st.policy_version}", self.sender.update, named, st.policy_version)
         self.times["weight_sync_s"] = time.perf_counter() - t0
+
+    def _until_stopped(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a daemon thread (it is bounded by sync_timeout_s itself); StopInterrupt when
+        SIGTERM arrives first. The abandoned sender is dropped: nothing more is sent through it."""
+        if self.stop is None:
+            return fn(*args)
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True, name="weight-sync-call").start()
+        while True:
+            try:
+                return fut.result(timeout=self.STOP_POLL_S)
+            except TimeoutError:
+                if self.stop.requested:
+                    self.sender = None
+                    raise StopInterrupt(f"SIGTERM while {what}: abandoned") from None
 
     def evaluate(self, step: int) -> dict[str, Any]:
         every = self.cfg.run.eval_every
@@ -192,12 +222,14 @@ class EngineControl:
             self.rollout.close()
 
 
-def build_rollout_control(cfg: HeadraceConfig, info: Any, rollout_url: str | None) -> RolloutControl:
+def build_rollout_control(cfg: HeadraceConfig, info: Any, rollout_url: str | None,
+                          stop: StopRequest | None = None) -> RolloutControl:
     """The plugin of ``trainer.weight_sync_hook`` (``factory(config, info, rollout_url)``) when set;
-    else ``EngineControl`` with a rollout URL, ``NoRollout`` without."""
+    else ``EngineControl`` with a rollout URL (a weight sync interruptible by ``stop``), ``NoRollout``
+    without."""
     spec = cfg.trainer.weight_sync_hook
     if spec:
         from headrace.shared.plugins import load_plugin
 
         return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
-    return NoRollout() if rollout_url is None else EngineControl(cfg, info, rollout_url)
+    return NoRollout() if rollout_url is None else EngineControl(cfg, info, rollout_url, stop)

@@ -7,11 +7,18 @@ makes every tensor count.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from headrace.shared.config import load_config
 from headrace.shared.schemas import Group, Sample
+from tests.procs import Proc, child_env, headrace_cmd
+
+GROUPS_PER_STEP = 4      # of the train-only runs against a real buffer
 
 SEQ_LENS = (7, 1, 12, 5)
 
@@ -112,3 +119,63 @@ def make_groups(n_groups: int = 4, size: int = 4, seed: int = 0, vocab: int = 51
                                   status="failed" if failed else "completed"))
         out.append(Group(group_id=f"g{seed}-{g}", samples=samples).model_dump())
     return out
+
+
+# ---- train-only runs against a real buffer ----------------------------------------------------
+def synthetic_groups(n: int, start: int = 0, vocab: int = 512, size: int = 4) -> list[Group]:
+    """Each prompt has one rewarded answer (tokens fixed per prompt) and random unrewarded ones."""
+    out = []
+    for g in range(start, start + n):
+        rng = random.Random(g % 8)  # 8 distinct prompts, seen again and again: a fixed task
+        prompt = [rng.randrange(3, vocab) for _ in range(5)]
+        target = [rng.randrange(3, vocab) for _ in range(4)]
+        noise = random.Random(10_000 + g)
+        samples = []
+        for i in range(size):
+            good = i < size // 2
+            resp = target if good else [noise.randrange(3, vocab) for _ in range(4)]
+            samples.append(Sample(uid=f"u{g}-{i}", group_id=f"g{g}", index=i, tokens=prompt + resp,
+                                  response_length=4, loss_mask=[1] * 4, rollout_logprobs=[-6.0] * 4,
+                                  reward=1.0 if good else 0.0))
+        out.append(Group(group_id=f"g{g}", samples=samples))
+    return out
+
+
+def write_config(tmp_path: Path, model_dir: Path, url: str, lease_s: float = 120, **trainer) -> Path:
+    """A train-only run config (``tmp_path/run.yaml``) against the buffer at ``url``."""
+    # max_staleness as the buffer was started: the fixed groups (weight_version 0) stay leasable
+    cfg = {"model": str(model_dir), "buffer": {"url": url, "lease_s": lease_s, "max_staleness": 1000},
+           "rollout": {"groups_per_step": GROUPS_PER_STEP},
+           "trainer": {"tp": 1, "dp": 1, "lr": 3e-3, "steps": 100, "lease_wait_s": 1.0, "micro_batch_tokens": 64,
+                       "checkpoint_dir": str(tmp_path / "ckpt"), "threads": 1, **trainer},
+           "run": {"out": str(tmp_path / "out")}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    load_config(path)  # the file is a valid run config
+    return path
+
+
+def run_train(tmp_path: Path, config: Path, url: str, timeout: float = 400) -> tuple[int, str]:
+    proc = Proc(headrace_cmd("train", "--config", str(config), "--buffer-url", url), tmp_path / "train.log",
+                env=child_env(threads=1))
+    try:
+        rc = proc.popen.wait(timeout)
+    finally:
+        proc.stop()
+    return rc, (tmp_path / "train.log").read_text()
+
+
+def metrics(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+def bad_group(kind: str, gid: str, vocab: int = 512) -> Group:
+    toks = [5, 6, 7]
+    if kind == "vocab":
+        s = [Sample(uid=f"{gid}-0", group_id=gid, tokens=toks + [vocab + 3], response_length=1, loss_mask=[1], reward=1.0)]
+    elif kind == "prompt":
+        s = [Sample(uid=f"{gid}-0", group_id=gid, index=0, tokens=toks + [9], response_length=1, loss_mask=[1], reward=1.0),
+             Sample(uid=f"{gid}-1", group_id=gid, index=1, tokens=[5, 8, 7, 9], response_length=1, loss_mask=[1], reward=0.0)]
+    else:  # nothing to train on: every token masked
+        s = [Sample(uid=f"{gid}-0", group_id=gid, tokens=toks + [9], response_length=1, loss_mask=[0], reward=1.0)]
+    return Group(group_id=gid, samples=s)

@@ -4,25 +4,25 @@
   of the rewarded responses rises (their NLL, the quantity GRPO lowers, falls), every lease is acked,
   the policy version reaches 20, metrics are one JSON line per step and a checkpoint is written;
 - bad input (token outside the vocabulary, prompts that differ within a group, a batch with no
-  trainable token) is an error naming the group, the lease is released (groups back in the queue,
-  nothing consumed) and the trainer keeps its state (step, version, checkpoint unchanged).
+  trainable token) is rejected: the bad groups are dead-lettered with the reason naming them, the
+  lease's other groups are back in the queue, nothing is consumed;
+- beyond ``trainer.max_rejected_fraction`` the trainer stops with the error and keeps its state
+  (step, version, checkpoint of the steps before, those steps acked).
+
+The poison group, trainer kill -9 and buffer restart runs are in test_exactly_once.py.
 """
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
-import yaml
 
 from headrace.shared.client import BufferClient
 from headrace.shared.config import load_config
-from headrace.shared.schemas import Group, Sample
 from tests.procs import Proc, child_env, free_port, headrace_cmd
-
-GROUPS_PER_STEP = 4
+from tests.trainer.support import GROUPS_PER_STEP, bad_group, metrics, run_train, synthetic_groups, write_config
 
 
 @pytest.fixture(scope="module")
@@ -43,52 +43,6 @@ def buffer(tmp_path):
         yield url
     finally:
         proc.stop()
-
-
-def synthetic_groups(n: int, start: int = 0, vocab: int = 512, size: int = 4) -> list[Group]:
-    """Each prompt has one rewarded answer (tokens fixed per prompt) and random unrewarded ones."""
-    out = []
-    for g in range(start, start + n):
-        rng = random.Random(g % 8)  # 8 distinct prompts, seen again and again: a fixed task
-        prompt = [rng.randrange(3, vocab) for _ in range(5)]
-        target = [rng.randrange(3, vocab) for _ in range(4)]
-        noise = random.Random(10_000 + g)
-        samples = []
-        for i in range(size):
-            good = i < size // 2
-            resp = target if good else [noise.randrange(3, vocab) for _ in range(4)]
-            samples.append(Sample(uid=f"u{g}-{i}", group_id=f"g{g}", index=i, tokens=prompt + resp,
-                                  response_length=4, loss_mask=[1] * 4, rollout_logprobs=[-6.0] * 4,
-                                  reward=1.0 if good else 0.0))
-        out.append(Group(group_id=f"g{g}", samples=samples))
-    return out
-
-
-def write_config(tmp_path: Path, model_dir: Path, url: str, **trainer) -> Path:
-    # max_staleness as the buffer was started: the fixed groups (weight_version 0) stay leasable
-    cfg = {"model": str(model_dir), "buffer": {"url": url, "lease_s": 120, "max_staleness": 1000},
-           "rollout": {"groups_per_step": GROUPS_PER_STEP},
-           "trainer": {"tp": 1, "dp": 1, "lr": 3e-3, "steps": 100, "lease_wait_s": 1.0, "micro_batch_tokens": 64,
-                       "checkpoint_dir": str(tmp_path / "ckpt"), "threads": 1, **trainer},
-           "run": {"out": str(tmp_path / "out")}}
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    load_config(path)  # the file is a valid run config
-    return path
-
-
-def run_train(tmp_path: Path, config: Path, url: str, timeout: float = 400) -> tuple[int, str]:
-    proc = Proc(headrace_cmd("train", "--config", str(config), "--buffer-url", url), tmp_path / "train.log",
-                env=child_env(threads=1))
-    try:
-        rc = proc.popen.wait(timeout)
-    finally:
-        proc.stop()
-    return rc, (tmp_path / "train.log").read_text()
-
-
-def metrics(tmp_path: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -116,55 +70,48 @@ def test_twenty_steps_train_only_learns_and_acks(tmp_path, model_dir, buffer):
     assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000020"
 
 
-def _bad_group(kind: str, gid: str, vocab: int = 512) -> Group:
-    toks = [5, 6, 7]
-    if kind == "vocab":
-        s = [Sample(uid=f"{gid}-0", group_id=gid, tokens=toks + [vocab + 3], response_length=1, loss_mask=[1], reward=1.0)]
-    elif kind == "prompt":
-        s = [Sample(uid=f"{gid}-0", group_id=gid, index=0, tokens=toks + [9], response_length=1, loss_mask=[1], reward=1.0),
-             Sample(uid=f"{gid}-1", group_id=gid, index=1, tokens=[5, 8, 7, 9], response_length=1, loss_mask=[1], reward=0.0)]
-    else:  # nothing to train on: every token masked
-        s = [Sample(uid=f"{gid}-0", group_id=gid, tokens=toks + [9], response_length=1, loss_mask=[0], reward=1.0)]
-    return Group(group_id=gid, samples=s)
-
-
 @pytest.mark.parametrize("kind,match", [("vocab", "outside the vocabulary"), ("prompt", "prompt tokens differ"),
                                         ("empty", "no trainable token")])
-def test_lease_source_releases_bad_batches(tmp_path, buffer, kind, match):
+def test_lease_source_rejects_bad_groups(tmp_path, buffer, kind, match):
     """Rank 0's lease path alone (no model needed): real HTTP, real buffer."""
-    from headrace.trainer.batch import BadBatchError
     from headrace.trainer.lease import LeaseSource
 
     groups = synthetic_groups(GROUPS_PER_STEP - 1) if kind != "empty" else []
-    groups.append(_bad_group(kind, "the-bad-one"))
-    groups += [_bad_group("empty", f"masked-{k}") for k in range(GROUPS_PER_STEP - len(groups))]
+    groups.append(bad_group(kind, "the-bad-one"))
+    groups += [bad_group("empty", f"masked-{k}") for k in range(GROUPS_PER_STEP - len(groups))]
+    bad = ["the-bad-one"] if kind != "empty" else [g.group_id for g in groups]
     with BufferClient(buffer) as c:
         c.post_groups(groups)
         cfg = load_config(write_config(tmp_path, tmp_path, buffer))
         src = LeaseSource(cfg, buffer, None, 0, vocab_size=512, max_seq_len=2048)
-        with pytest.raises(BadBatchError, match=match) as e:
-            src.next()
-        assert ("the-bad-one" in str(e.value)) or kind == "empty"
-        assert "released, not acked" in str(e.value)
+        assert src.next() is None             # the rest is back in the queue, one step short: train-only stops
+        dead = c.dead_letters()
+        assert sorted(d["group_id"] for d in dead) == sorted(bad)
+        assert all(match in d["reason"] for d in dead), dead
         s = c.stats()
-        assert (s.queued, s.leased, s.consumed) == (GROUPS_PER_STEP, 0, 0)
+        assert (s.queued, s.leased, s.consumed, s.dead_lettered) == (GROUPS_PER_STEP - len(bad), 0, 0, len(bad))
+        assert (src.groups_leased, src.groups_rejected) == (GROUPS_PER_STEP, len(bad))
         src.close()
 
 
 @pytest.mark.slow
-def test_bad_batch_stops_trainer_with_state_kept(tmp_path, model_dir, buffer):
+def test_too_many_rejected_groups_stop_the_trainer_with_state_kept(tmp_path, model_dir, buffer):
     with BufferClient(buffer) as c:
         c.post_groups(synthetic_groups(GROUPS_PER_STEP))
-        c.post_groups(synthetic_groups(GROUPS_PER_STEP - 1, start=100) + [_bad_group("vocab", "poisoned")])
-    # two DP ranks: the batch and the error travel from rank 0 to rank 1 by broadcast
-    rc, log = run_train(tmp_path, write_config(tmp_path, model_dir, buffer, save_every=0, dp=2), buffer)
+        c.post_groups(synthetic_groups(GROUPS_PER_STEP - 1, start=100) + [bad_group("vocab", "poisoned")])
+    # two DP ranks: the error travels from rank 0 to rank 1 by broadcast; no rejection tolerated
+    rc, log = run_train(tmp_path, write_config(tmp_path, model_dir, buffer, save_every=0, dp=2,
+                                               max_rejected_fraction=0.0), buffer)
     assert rc == 1, log
     assert "tp=1 dp=2" in log
-    assert "poisoned" in log and "outside the vocabulary" in log and "released, not acked" in log
+    assert "poisoned" in log and "outside the vocabulary" in log and "max_rejected_fraction" in log
     assert [r["step"] for r in metrics(tmp_path)] == [1]
     with BufferClient(buffer) as c:
         s = c.stats()
-    assert (s.consumed, s.queued, s.leased, s.policy_version) == (GROUPS_PER_STEP, GROUPS_PER_STEP, 0, 1)
+        dead = c.dead_letters()
+    assert (s.consumed, s.queued, s.leased, s.dead_lettered, s.policy_version) == \
+        (GROUPS_PER_STEP, GROUPS_PER_STEP - 1, 0, 1, 1)             # step 1 acked after its checkpoint
+    assert [d["group_id"] for d in dead] == ["poisoned"] and "outside the vocabulary" in dead[0]["reason"]
     ckpt = tmp_path / "ckpt"
     assert (ckpt / "latest").read_text() == "step_00000001"   # the state before the bad lease, saved
     assert {p.name for p in (ckpt / "step_00000001").iterdir()} >= {"model_tp0.pt", "rng_rank0.pt", "rng_rank1.pt"}
