@@ -91,7 +91,7 @@ class Pusher:
                     _resolve(fut, "rejected")
                     return
                 if e.status in (401, 403, 404):
-                    log.error("buffer answered %d (%s); check buffer.url / buffer.token; retrying", e.status, e.message)
+                    log.error("buffer answered %d (%s); check buffer.url / auth.token; retrying", e.status, e.message)
                 self.stats.retries += 1
                 if self.stats.buffer_up:
                     log.warning("buffer unavailable (%s); holding %d groups and retrying", e, len(items))
