@@ -45,12 +45,16 @@ def serve(
         refusal = next(filter(None, (bind_refusal(h, cfg.auth.token, insecure) for h in hosts)), None)
         if refusal:
             raise ValueError(refusal)
-        import uvicorn
-
         from headrace.rollout.service import create_app
 
         app = create_app(cfg)
     except (ConfigError, PluginError, ValueError, OSError) as e:  # DataError is a ValueError
         typer.echo(f"headrace rollout serve: {e}", err=True)
         raise typer.Exit(2)
-    uvicorn.run(app, host=cfg.rollout.host, port=cfg.rollout.port, log_level="warning")
+    from headrace.shared.serving import BodyLimit
+    from headrace.shared.serving import serve as run
+
+    # stops within shared.serving.DEADLINE_S of SIGTERM, whatever it is doing (engines are stopped
+    # on the way out, and stop by themselves once this process is gone: --parent-pid)
+    limited = BodyLimit(app, int(cfg.rollout.max_body_mb * 1024 * 1024), "rollout.max_body_mb")
+    run(limited, cfg.rollout.host, cfg.rollout.port, name="headrace rollout serve")

@@ -21,6 +21,12 @@ Guarantees:
   the trainer has synced weights to every engine listed by /v1/engines — so no token is ever
   tagged with a version its engine does not hold.
 - ``stop`` ends only the processes this fleet started, by process group id.
+- Launched engines die with this process, even when it is killed with SIGKILL: a reference engine
+  gets ``--parent-pid`` (its watchdog stops it once this process is gone); an SGLang engine gets
+  ``PR_SET_PDEATHSIG`` = SIGTERM (Linux) in ``preexec_fn``. The death signal follows the *thread*
+  that forked: engines are launched from the event loop, i.e. the main thread, which lives as long
+  as the service. A configured port still held (by engines of a killed predecessor, which are
+  stopping) is waited for up to ``PORT_WAIT_S`` before another port is taken.
 - Launched engines bind ``engines.host`` (127.0.0.1) and are listed (``/v1/engines``, the URLs the
   trainer dials for weight sync) as ``http://<engines.advertise_host or host>:<port>``; bound to
   0.0.0.0 / :: without an advertise host, they are listed under this machine's host name.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,9 +50,45 @@ import httpx
 
 from headrace.shared.auth import TOKEN_ENV, bearer_headers, bind_refusal, module_argv, token_env
 from headrace.shared.config import EnginesConfig
-from headrace.shared.procs import child_env, free_port, port_free, stop_group
+from headrace.shared.procs import child_env, free_port, stop_group
 
 log = logging.getLogger("headrace.rollout.fleet")
+PORT_WAIT_S = 15.0   # engines of a killed service stop within ~10 s (watchdog + shutdown deadline)
+
+
+async def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool:
+    """Whether ``port`` can be listened on, waiting up to ``wait_s`` while it is held. SO_REUSEADDR
+    as uvicorn binds: connections in TIME_WAIT do not hold it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            log.warning("port %d is still in use after %.0f s; taking another", port, wait_s)
+            return False
+        await asyncio.sleep(0.25)
+
+
+def _die_with_parent() -> Any:
+    """A preexec_fn: the child gets SIGTERM when the launching thread ends (Linux; else None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl    # resolved before fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM))                     # PR_SET_PDEATHSIG
+        if os.getppid() != parent:                        # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 @dataclass
@@ -106,7 +149,8 @@ class Fleet:
         b = self.cfg.backend
         if b == "reference":
             cmd = [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", self.model,
-                   "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1)]
+                   "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1),
+                   "--parent-pid", str(os.getpid())]
             if bind_refusal(self.cfg.host, self.token, False):   # `headrace rollout serve --insecure` allowed it
                 cmd.append("--insecure")
         elif b == "sglang":
@@ -140,7 +184,8 @@ class Fleet:
         with open(e.log_path, "ab") as logf:
             logf.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
             e.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self._env(),
-                                      start_new_session=True)
+                                      start_new_session=True,
+                                      preexec_fn=None if self.cfg.backend == "reference" else _die_with_parent())
         log.info("engine %d: pid %d on %s", e.index, e.proc.pid, e.url)
 
     async def _wait_healthy(self, e: Engine, timeout: float) -> None:
@@ -176,7 +221,7 @@ class Fleet:
             host = advertised_host(self.cfg.host, self.cfg.advertise_host)
             for i in range(self.cfg.count):
                 port = self.cfg.base_port + i
-                if not port_free(port, self.cfg.host) or port in taken:
+                if port in taken or not await _port_freed(port, self.cfg.host):
                     port = free_port()
                 taken.add(port)
                 self.engines.append(Engine(index=i, url=f"http://{host}:{port}", port=port,

@@ -16,6 +16,11 @@ Guarantees:
   rejoin routing), continues the engines and tags every later token with v.
 - ``/v1/generate_batch`` tags its samples with ``weight_version`` from the request, or else with the
   version all engines report on ``/get_weight_version`` (set by the trainer's weight update).
+- Bounded, strict input: bodies are JSON objects of known fields, integers are JSON integers (not
+  "7", true or 3.0; a weight version is an int in [0, 2^63)), anything else is a 422 naming the
+  field; ``groups`` is at most the admission cap ((buffer.max_staleness + 1) x
+  rollout.groups_per_step: more could never be admitted at once, and the trainer asks for
+  groups_per_step); a body over ``rollout.max_body_mb`` is a 413 (``shared.serving.BodyLimit``).
 """
 
 from __future__ import annotations
@@ -47,30 +52,33 @@ from headrace.shared.plugins import load_plugin
 log = logging.getLogger("headrace.rollout")
 
 
+MAX_VERSION = 2**63 - 1   # versions are stored as SQLite INTEGERs by the buffer
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PauseRequest(_Body):
     mode: Literal["abort", "drain"] = "abort"
-    timeout_s: float = Field(default=600.0, gt=0, description="give up (504) after this long")
+    timeout_s: float = Field(default=600.0, gt=0, le=86_400, description="give up (504) after this long")
 
 
 class ResumeRequest(_Body):
-    weight_version: int | None = Field(default=None, ge=0, description="version of the engines' weights now")
+    weight_version: int | None = Field(default=None, ge=0, le=MAX_VERSION, description="version of the engines' weights now")
 
 
 class BatchRequest(_Body):
-    groups: int = Field(ge=1, le=1_000_000)
-    weight_version: int | None = Field(default=None, ge=0)
+    groups: int = Field(ge=1, description="at most the admission cap")
+    weight_version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
 
 
 class MemoryRequest(_Body):
-    tags: list[str] | None = None
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = Field(default=None, max_length=3)
 
 
 class EvalRequest(_Body):
-    n: int | None = Field(default=None, ge=1, description="first n held-out prompts (default all)")
+    n: int | None = Field(default=None, ge=1, le=10_000_000, description="first n held-out prompts (default all)")
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -252,6 +260,10 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
     async def generate_batch(req: BatchRequest) -> dict[str, Any]:
         if cfg.rollout.mode != "on_demand":
             raise HTTPException(409, "generate_batch needs rollout.mode: on_demand (this service is continuous)")
+        cap = svc.loop.admission_cap
+        if req.groups > cap:
+            raise HTTPException(422, f"groups {req.groups} is more than the admission cap {cap} "
+                                     "((buffer.max_staleness + 1) x rollout.groups_per_step)")
         version = req.weight_version if req.weight_version is not None else await svc.engines_version()
         if version is not None and version != svc.gate.version:
             svc.fleet.set_version(version)

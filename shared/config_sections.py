@@ -215,6 +215,8 @@ class RolloutConfig(_Section):
                                     "seconds (pushes never give up)")
     stats_interval_s: float = Field(default=0.5, gt=0, le=3600, description="seconds between continuous mode's "
                                     "polls of the buffer's /v1/stats")
+    max_body_mb: float = Field(default=1.0, gt=0, le=1024, description="largest request body of the control API, "
+                               "in MiB; larger is answered 413")
 
 
 # ---- trainer ---------------------------------------------------------------------------------
