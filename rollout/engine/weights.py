@@ -5,7 +5,7 @@ bench/weight_sync_bench.py.
 ``python -m headrace.rollout.engine.weights --port P [--in-place]`` serves it: the five weight
 endpoints plus ``/get_model_info`` (its weight_version), ``/health`` and ``GET /weights_digest``
 (sha256 of each tensor's bytes). ``--in-place``: per-tensor updates are received straight into the
-stored tensors (no load copy).
+stored tensors (no load copy). With ``HEADRACE_TOKEN`` set, every endpoint but /health needs it.
 """
 
 from __future__ import annotations
@@ -98,10 +98,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--in-place", action="store_true", help="receive per-tensor updates into the stored tensors")
     args = parser.parse_args(argv)
+    import os
+
     import uvicorn
+
+    from headrace.shared.auth import TOKEN_ENV, BearerAuth, Guard
     torch.set_num_threads(1)
-    uvicorn.run(make_receiver_app(timeout_s=args.timeout_s, in_place=args.in_place), host=args.host, port=args.port,
-                log_level="warning")
+    app = make_receiver_app(timeout_s=args.timeout_s, in_place=args.in_place)
+    if os.environ.get(TOKEN_ENV):   # the run token, as on the engine: every endpoint but /health needs it
+        app.add_middleware(BearerAuth, guard=Guard(os.environ[TOKEN_ENV]))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
