@@ -37,8 +37,8 @@ def _split_msgpack(body: bytes) -> tuple[Any, list[bytes]] | None:
         blobs: list[bytes] = []
         for _ in range(n_keys):
             key = up.unpack()
-            if key in obj:
-                return None  # repeated key: the strict decoder keeps the last one; so do we, by re-packing
+            if not isinstance(key, str) or key in obj:  # a non-string key: the strict decoder names it
+                return None  # (a repeated key: the strict decoder keeps the last one; so do we, by re-packing)
             if key == "groups":
                 try:
                     n_groups = up.read_array_header()

@@ -35,8 +35,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from headrace.buffer.policy import (BufferFull, GroupState, LeaseNotFound, LeaseState, NotInLease, lease_transition,
-                                    retry_after_s)
+from headrace.buffer.policy import (BufferFull, GroupState, LeaseConflict, LeaseNotFound, LeaseState, NotInLease,
+                                    lease_transition, retry_after_s)
 from headrace.shared.staleness import stale_cutoff
 
 _SCHEMA = """
@@ -291,15 +291,16 @@ class Store:
     def reject(self, lease_id: str, group_ids: list[str], reason: str, now: float | None = None) -> tuple[int, int]:
         """Dead-letter ``group_ids`` of an active lease and queue its other groups: ``(dead, requeued)``.
 
-        A repeat (the same groups, already dead-lettered from this lease) is ``(0, 0)``. NotInLease
-        when a group is not the lease's; LeaseNotFound / LeaseConflict as for ack."""
+        A repeat (the same groups, already dead-lettered from this lease) is ``(0, 0)``; other groups
+        after a reject are a LeaseConflict. NotInLease when a group is not the lease's;
+        LeaseNotFound / LeaseConflict as for ack."""
         now = time.time() if now is None else now
         wanted = list(dict.fromkeys(group_ids))
         changes, _ = self._active_lease(lease_id, "reject", now)
         if not changes:
             done = {r[0] for r in self.db.execute("SELECT group_id FROM dead_letters WHERE lease_id=?", (lease_id,))}
             if not set(wanted) <= done:
-                raise NotInLease(f"lease {lease_id!r} was already rejected with other groups")
+                raise LeaseConflict(f"lease {lease_id!r} was already rejected with other groups")
             return 0, 0
         mine = dict(self.db.execute("SELECT group_id, seq FROM groups WHERE lease_id=? AND state=?",
                                     (lease_id, GroupState.leased)))
