@@ -20,7 +20,9 @@ Guarantees of ``EngineControl``: a weight sync (joining the weight-sync group, t
 is bounded by ``trainer.sync_timeout_s`` (``WeightSyncError`` naming the engine that did not
 answer) and, given the run's ``StopRequest``, interrupted by SIGTERM within ``STOP_POLL_S``
 (``StopInterrupt``: the sync is abandoned in its thread; the next trainer's connect clears what it
-left on the engines); the rollout resumes only after every engine confirmed the new weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
+left on the engines); with ``trainer.tp`` 1 a failed sync (an engine restarted, say) rejoins the
+group and pushes the whole update again, ``SYNC_ATTEMPTS`` times in all, before the error ends the
+step; the rollout resumes only after every engine confirmed the new weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
 engine, and the step fails with its lease released); evaluation (``eval_score`` = pass@1 on the
 held-out prompts, ``eval_reward_mean``) runs at step 0 of a fresh run, every ``run.eval_every``
 steps and at the last step (``trainer.steps``): it owns that cadence like the checkpointer owns its
@@ -36,6 +38,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 from headrace.shared.config import HeadraceConfig
+from headrace.shared.weight_sync.protocol import WeightSyncError
 from headrace.trainer.lease import StopInterrupt, StopRequest
 
 log = logging.getLogger("headrace.trainer.rollout")
@@ -107,6 +110,7 @@ class EngineControl:
     """The rollout service and its engines (see the module docstring)."""
 
     STOP_POLL_S = 0.2   # how soon a SIGTERM interrupts a weight sync
+    SYNC_ATTEMPTS = 4   # a failed weight sync is pushed again (group rejoined) this many times in all (tp == 1)
 
     def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str, stop: StopRequest | None = None) -> None:
         self.cfg, self.info, self.stop = cfg, info, stop
@@ -155,10 +159,27 @@ class EngineControl:
             for _ in named:      # other TP ranks of replica 0: take part in the gather collectives
                 pass
             return
+        retry = getattr(self.info, "tp", 1) == 1     # no other rank takes part in the gather: it can be redone
+        for attempt in range(1, self.SYNC_ATTEMPTS + 1):
+            try:
+                self._push(named, st.policy_version)
+                break
+            except WeightSyncError as e:
+                if not retry or attempt == self.SYNC_ATTEMPTS:
+                    raise
+                log.warning("weight sync of version %d failed (%s); attempt %d of %d: rejoining the group (an "
+                            "engine that restarted must join again)", st.policy_version, e, attempt + 1,
+                            self.SYNC_ATTEMPTS)
+                time.sleep(min(30.0, 2.0 * attempt))
+                named = st.model.hf_state_dict()
+        self.times["weight_sync_s"] = time.perf_counter() - t0
+
+    def _push(self, named: Any, version: int) -> None:
         if self.sender is None:
             self.sender = self._until_stopped("joining the weight-sync group", self._connect)
-        self._until_stopped(f"weight sync of version {st.policy_version}", self.sender.update, named, st.policy_version)
-        self.times["weight_sync_s"] = time.perf_counter() - t0
+        elif not self.sender.connected:
+            self._until_stopped("rejoining the weight-sync group", self.sender.reconnect)
+        self._until_stopped(f"weight sync of version {version}", self.sender.update, named, version)
 
     def _until_stopped(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a daemon thread (it is bounded by sync_timeout_s itself); StopInterrupt when

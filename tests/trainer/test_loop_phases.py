@@ -331,7 +331,7 @@ def test_engine_control_times_its_phases_owns_the_eval_cadence_and_gives_memory_
     calls: list[str] = []
     sent: list[tuple[list[str], int]] = []
     ctl.rollout = FakeRolloutClient(calls)
-    ctl.sender = SimpleNamespace(update=lambda named, v: sent.append(([n for n, _ in named], v)),
+    ctl.sender = SimpleNamespace(connected=True, update=lambda named, v: sent.append(([n for n, _ in named], v)),
                                  close=lambda: calls.append("sender.close"))
     st = SimpleNamespace(policy_version=3, model=SimpleNamespace(hf_state_dict=lambda: iter([("w", None)])))
     ctl.generate()

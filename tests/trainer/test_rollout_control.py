@@ -62,3 +62,31 @@ def test_a_rendezvous_that_never_answers_is_interrupted_by_sigterm(tmp_path, sil
         ctl.close()
     finally:
         stop.uninstall()
+
+
+def test_a_failed_sync_rejoins_the_group_and_pushes_again(tmp_path, monkeypatch):
+    """An engine that restarted left the group: the sender rejoins and the whole update goes again."""
+    from headrace.trainer import rollout_control
+
+    monkeypatch.setattr(rollout_control.time, "sleep", lambda s: None)
+    calls: list[str] = []
+
+    class Sender:
+        connected = True
+
+        def update(self, named, version):
+            names = [n for n, _ in named]
+            calls.append(f"update:{version}:{names}")
+            if calls.count(f"update:{version}:{names}") == 1:
+                self.connected = False
+                raise WeightSyncError("http://engine: connection refused", ["http://engine"])
+
+        def reconnect(self):
+            calls.append("reconnect")
+            self.connected = True
+
+    ctl = _control(tmp_path, "http://unused", timeout_s=5.0, stop=None)
+    ctl.info = SimpleNamespace(rank=0, dp_rank=0, tp=1)
+    ctl.sender = Sender()
+    ctl.sync_weights(_state())
+    assert calls == ["update:1:['w']", "reconnect", "update:1:['w']"]
