@@ -20,6 +20,8 @@ def serve(
     host: Optional[str] = typer.Option(None, help="interface to bind (default rollout.host)"),
     port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port (default rollout.port, 8200)"),
     buffer_url: Optional[str] = typer.Option(None, help="buffer URL (default buffer.url)"),
+    max_body_mb: Optional[float] = typer.Option(None, min=0.001, max=1024.0, help="largest control-API request body "
+                                                "in MiB, 413 beyond (default rollout.max_body_mb, 1)"),
     token_file: Optional[str] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
                                                         "or set HEADRACE_TOKEN)"),
     token: Optional[str] = typer.Option(None, hidden=True, help="refused: use --token-file"),
@@ -39,7 +41,7 @@ def serve(
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         cfg = load_config(config, {"rollout.host": host, "rollout.port": port, "buffer.url": buffer_url,
-                                   "auth.token": flag_token(token, token_file)})
+                                   "rollout.max_body_mb": max_body_mb, "auth.token": flag_token(token, token_file)})
         eng = cfg.rollout.engines
         hosts = [cfg.rollout.host] + ([eng.host] if eng.backend != "external" else [])
         refusal = next(filter(None, (bind_refusal(h, cfg.auth.token, insecure) for h in hosts)), None)

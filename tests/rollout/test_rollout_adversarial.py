@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Callable
 
 import httpx
 
+from tests.procs import Proc, child_env
 from tests.rollout.support import Stack, write_prompts
 
 GROUPS_PER_STEP, MAX_STALENESS = 2, 1          # admission cap (1 + 1) x 2 = 4
@@ -149,3 +151,25 @@ def test_after_sigkill_its_engines_stop_and_a_restart_takes_the_same_ports(stack
     r = s.post("/v1/generate_batch", {"groups": 1})
     assert r.status_code == 200 and r.json()["groups"] == 1, r.text
 
+
+
+def test_the_death_signal_of_sglang_launches_ends_the_child_with_its_launcher(tmp_path: Path) -> None:
+    """The preexec_fn the fleet gives SGLang engines (PR_SET_PDEATHSIG), on a stand-in child."""
+    pidfile = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; from headrace.rollout.fleet import _die_with_parent; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'], "
+              f"preexec_fn=_die_with_parent(), start_new_session=True); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              "time.sleep(3600)")
+    launcher = Proc([sys.executable, "-c", script], tmp_path / "launcher.log", env=child_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        assert _exists(child)
+        os.kill(launcher.pid, signal.SIGKILL)
+        assert _gone([child], 15), launcher.log()
+    finally:
+        launcher.stop()
+        if pidfile.exists() and pidfile.read_text() and _exists(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
