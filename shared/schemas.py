@@ -21,11 +21,12 @@ back out as JSON and as msgpack.
 from __future__ import annotations
 
 import math
+import operator
 from enum import Enum
 from typing import Annotated, Any
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationInfo, field_validator, model_validator)
 
 MAX_GROUP_SIZE = 1024
 MAX_INT = 2**63 - 1  # versions and counts are stored as SQLite INTEGERs (signed 64-bit)
@@ -51,23 +52,22 @@ def _number_only(v: Any) -> Any:
     return v
 
 
-def _ints_only(v: Any) -> Any:
-    """A list of integers, checked in one pass (token lists are long: no per-item Python call)."""
-    if isinstance(v, list):
-        bad = set(map(type, v)) & set(_NOT_INT)
-        if bad:
-            x = next(x for x in v if type(x) in bad)
-            raise ValueError(f"items must be integers, not {type(x).__name__} {str(x)[:40]!r}")
-    return v
+_WIRE_TYPES = (type(None), bool, int, float, str, bytes, list, dict)
 
 
-def _numbers_only(v: Any) -> Any:
-    if isinstance(v, list):
-        bad = set(map(type, v)) & set(_NOT_FLOAT)
-        if bad:
-            x = next(x for x in v if type(x) in bad)
-            raise ValueError(f"items must be numbers, not {type(x).__name__} {str(x)[:40]!r}")
-    return v
+def _python_numbers(convert: Any) -> Any:
+    """Lists from a decoded body go to pydantic's strict (Rust) item check untouched; a list of
+    numpy numbers (or an array), which only a Python producer can pass, is converted first."""
+    def before(v: Any) -> Any:
+        try:
+            if hasattr(v, "tolist") and not isinstance(v, list):
+                return v.tolist()
+            if isinstance(v, list) and v and not isinstance(v[0], _WIRE_TYPES):
+                return [convert(x) for x in v]
+        except (TypeError, ValueError, OverflowError):
+            pass  # not numbers after all: the strict check names the item
+        return v
+    return before
 
 
 class _FreeformError(ValueError):
@@ -136,12 +136,12 @@ class Sample(_Wire):
     uid: StrictStr = Field(min_length=1, max_length=512, description="unique across the run; the idempotency key")
     group_id: StrictStr = Field(min_length=1, max_length=512, description="samples of one prompt share it")
     index: WireInt = Field(default=0, ge=0, le=MAX_INT, description="position in its group")
-    tokens: Annotated[list[int], BeforeValidator(_ints_only)] = Field(
+    tokens: Annotated[list[StrictInt], BeforeValidator(_python_numbers(operator.index))] = Field(
         description="prompt + response token ids, each in [0, vocab) and [0, 2^31)")
     response_length: WireInt = Field(default=0, ge=0, le=MAX_INT, description="<= len(tokens)")
-    loss_mask: Annotated[list[int], BeforeValidator(_ints_only)] = Field(
+    loss_mask: Annotated[list[StrictInt], BeforeValidator(_python_numbers(operator.index))] = Field(
         default_factory=list, validate_default=True, description="len == response_length; 0/1 (0 = tool/env tokens)")
-    rollout_logprobs: Annotated[list[float], BeforeValidator(_numbers_only)] | None = Field(
+    rollout_logprobs: Annotated[list[StrictFloat], BeforeValidator(_python_numbers(float))] | None = Field(
         default=None, description="len == response_length; finite, <= 0")
     reward: WireFloat | None = Field(default=None, description="finite; null only when status is failed")
     status: SampleStatus = Field(default=SampleStatus.completed)

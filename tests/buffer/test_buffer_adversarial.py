@@ -120,6 +120,7 @@ GROUP_CASES += [
     ("ext-timestamp-label", _sample("label", msgpack.Timestamp(1, 0)), f"{S1}.label", "m"),
     ("ext-timestamp-nested", _sample("metadata", {"t": [msgpack.Timestamp(1, 0)]}), f"{S1}.metadata", "m"),
     ("ext-custom-type", _sample("label", msgpack.ExtType(5, b"x")), "extension type 5", "m"),
+    ("ext-timestamp-token", _item("tokens", msgpack.Timestamp(1, 0)), f"{S1}.tokens[0]", "m"),
     ("ext-timestamp-prompt", _sample("prompt", msgpack.Timestamp(1, 0)), f"{S1}.prompt", "m"),
     ("key-bytes-metadata", _sample("metadata", {b"k": 1}), f"{S1}.metadata", "m"),
     ("key-bytes-label", _sample("label", {"a": {b"k": 1}}), f"{S1}.label", "m"),
