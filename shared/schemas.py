@@ -275,7 +275,8 @@ MAX_REASON = 2000
 
 
 class RejectLeaseRequest(_Wire):
-    group_ids: list[StrictStr] = Field(min_length=1, max_length=1_000_000, description="groups of this lease to dead-letter")
+    group_ids: list[Annotated[StrictStr, Field(min_length=1, max_length=512)]] = Field(
+        min_length=1, max_length=1_000_000, description="groups of this lease to dead-letter")
     reason: StrictStr = Field(min_length=1, max_length=MAX_REASON, description="why the trainer cannot use them")
 
 

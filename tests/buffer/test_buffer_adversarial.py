@@ -13,6 +13,7 @@ lease of the next group both answer 200.
 from __future__ import annotations
 
 import copy
+import sqlite3
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -230,6 +231,7 @@ def _lease_cases() -> list[Any]:
         ("reject-empty-ids", rej, {"group_ids": [], "reason": "x"}, "group_ids"),
         ("reject-ids-not-list", rej, {"group_ids": "stand0", "reason": "x"}, "group_ids"),
         ("reject-id-int", rej, {"group_ids": [7], "reason": "x"}, "group_ids[0]"),
+        ("reject-id-too-long", rej, {"group_ids": ["g" * 513], "reason": "x"}, "group_ids[0]"),
         ("reject-reason-too-long", rej, {"group_ids": ["stand0"], "reason": "x" * 2001}, "reason"),
         ("reject-reason-empty", rej, {"group_ids": ["stand0"], "reason": ""}, "reason"),
         ("reject-reason-missing", rej, {"group_ids": ["stand0"]}, "reason"),
@@ -328,3 +330,28 @@ def test_free_form_at_the_bound_is_accepted_and_leases_both_ways(adv: dict[str, 
     r = httpx.post(url + "/v1/leases", json={"groups": 1}, headers={"accept": MSGPACK})
     assert r.status_code == 200 and msgpack.unpackb(r.content)["groups"][0]["samples"][1]["metadata"]["n"] == 2**63 - 1
     assert httpx.post(f"{url}/v1/leases/{msgpack.unpackb(r.content)['lease_id']}/ack").status_code == 200
+
+
+def test_a_stored_group_that_cannot_be_answered_is_released_not_locked(tmp_path: Path) -> None:
+    """Defence in depth: validation keeps such a blob out, so plant one in the database by hand."""
+    db = tmp_path / "planted.sqlite"
+    proc, url = start_buffer(tmp_path, "--db", str(db), name="plant1")
+    proc.stop()
+    con = sqlite3.connect(db)
+    seq = con.execute("INSERT INTO groups(group_id, weight_version, state) VALUES ('planted', 0, 0)").lastrowid
+    con.execute("INSERT INTO blobs(seq, data) VALUES (?, ?)",
+                (seq, msgpack.packb({"group_id": "planted", "samples": [], "t": msgpack.Timestamp(1, 0)})))
+    con.commit()
+    con.close()
+    proc, url = start_buffer(tmp_path, "--db", str(db), name="plant2")
+    try:
+        r = httpx.post(url + "/v1/leases", json={"groups": 1})
+        assert r.status_code == 500 and "released" in r.json()["detail"]
+        s = stats(url)
+        assert (s["queued"], s["leased"]) == (1, 0)  # not locked until expiry
+        r = httpx.post(url + "/v1/leases", json={"groups": 1}, headers={"accept": MSGPACK})
+        assert r.status_code == 200  # msgpack answers splice the stored bytes
+        assert httpx.post(f"{url}/v1/leases/{msgpack.unpackb(r.content, timestamp=3)['lease_id']}/ack").status_code == 200
+        assert proc.alive()
+    finally:
+        proc.stop()
