@@ -42,7 +42,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -113,6 +113,7 @@ class LeaseSource:
         self.keeper: LeaseKeeper | None = None
         self.min_version = 0      # leases take no group older than policy_version - max_staleness
         self.held: list[Leased] = []             # trained, not yet in a checkpoint (rank 0)
+        self.on_wait: Callable[[], None] | None = None   # rank 0, each lease_wait_s spent waiting for groups
         self.groups_leased = self.groups_rejected = self.groups_acked = self.groups_replayed = 0
         if rank == 0:
             from headrace.shared.client import BufferClient
@@ -144,6 +145,8 @@ class LeaseSource:
                                                       f"within {self.cfg.trainer.lease_wait_s}s (queued {st.queued}, "
                                                       f"leased {st.leased}, consumed {st.consumed})"}
                 log.info("waiting for %d groups in the buffer", n)
+                if self.on_wait is not None:
+                    self.on_wait()
                 continue
             self.groups_leased += len(lease.groups)
             try:

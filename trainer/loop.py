@@ -224,6 +224,8 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
             rollout = rollout or build_rollout_control(cfg, info, rollout_url, stop)
             cleanup.callback(rollout.close)
             source.set_policy_version(st.policy_version)
+            if rollout_mode(cfg) == "continuous" and hasattr(rollout, "refresh_stale"):
+                source.on_wait = lambda: rollout.refresh_stale(st)   # a restarted engine gets the weights again
             run = Run(st, t.steps, source, rollout, ckpt, metrics, stop)
             try:
                 stopped = LOOPS[rollout_mode(cfg)](run)

@@ -21,8 +21,8 @@ is bounded by ``trainer.sync_timeout_s`` (``WeightSyncError`` naming the engine 
 answer) and, given the run's ``StopRequest``, interrupted by SIGTERM within ``STOP_POLL_S``
 (``StopInterrupt``: the sync is abandoned in its thread; the next trainer's connect clears what it
 left on the engines); with ``trainer.tp`` 1 a failed sync (an engine restarted, say) rejoins the
-group and pushes the whole update again, ``SYNC_ATTEMPTS`` times in all, before the error ends the
-step; the rollout resumes only after every engine confirmed the new weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
+group and pushes the whole update again, with backoff, for at most ``sync_timeout_s`` in all
+before the error ends the step; the rollout resumes only after every engine confirmed the new weight version (``WeightSender.update`` verifies it, else raises ``WeightSyncError`` naming the
 engine, and the step fails with its lease released); evaluation (``eval_score`` = pass@1 on the
 held-out prompts, ``eval_reward_mean``) runs at step 0 of a fresh run, every ``run.eval_every``
 steps and at the last step (``trainer.steps``): it owns that cadence like the checkpointer owns its
@@ -110,7 +110,6 @@ class EngineControl:
     """The rollout service and its engines (see the module docstring)."""
 
     STOP_POLL_S = 0.2   # how soon a SIGTERM interrupts a weight sync
-    SYNC_ATTEMPTS = 4   # a failed weight sync is pushed again (group rejoined) this many times in all (tp == 1)
 
     def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str, stop: StopRequest | None = None) -> None:
         self.cfg, self.info, self.stop = cfg, info, stop
@@ -160,19 +159,49 @@ class EngineControl:
                 pass
             return
         retry = getattr(self.info, "tp", 1) == 1     # no other rank takes part in the gather: it can be redone
-        for attempt in range(1, self.SYNC_ATTEMPTS + 1):
+        budget = self.cfg.trainer.sync_timeout_s
+        attempt = 0
+        while True:
             try:
                 self._push(named, st.policy_version)
                 break
             except WeightSyncError as e:
-                if not retry or attempt == self.SYNC_ATTEMPTS:
+                attempt += 1
+                if not retry or time.perf_counter() - t0 > budget:
                     raise
-                log.warning("weight sync of version %d failed (%s); attempt %d of %d: rejoining the group (an "
-                            "engine that restarted must join again)", st.policy_version, e, attempt + 1,
-                            self.SYNC_ATTEMPTS)
-                time.sleep(min(30.0, 2.0 * attempt))
+                log.warning("weight sync of version %d failed (%s); retry %d: rejoining the group (an engine "
+                            "that restarted must join again), for at most %.0fs in all", st.policy_version, e,
+                            attempt, budget)
+                self._sleep(min(10.0, 2.0 * attempt))
                 named = st.model.hf_state_dict()
         self.times["weight_sync_s"] = time.perf_counter() - t0
+
+    def refresh_stale(self, st: Any) -> None:
+        """Rank 0, while it waits for groups (continuous mode, tp 1): an engine that restarted serves its
+        initial weights, and the rollout keeps it out of use (``stale``) until it has the current ones,
+        so no group comes and the trainer would wait forever. Push them again (pause, sync, resume); a
+        failure is logged and tried again at the next wait."""
+        if not self.rank0 or getattr(self.info, "tp", 1) != 1:
+            return
+        stale = [e.get("url") for e in self.rollout.status().get("engines", []) if e.get("stale")]
+        if not stale:
+            return
+        log.warning("engine(s) %s serve stale weights (restarted?): pushing policy version %d again",
+                    ", ".join(map(str, stale)), st.policy_version)
+        try:
+            self.pause()
+            self.sync_weights(st)
+            self.resume(st.policy_version)
+        except WeightSyncError as e:
+            log.warning("pushing the weights to the stale engine(s) failed (%s); trying again at the next wait", e)
+
+    def _sleep(self, seconds: float) -> None:
+        """Wait between sync attempts; StopInterrupt when SIGTERM arrives meanwhile."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            if self.stop is not None and self.stop.requested:
+                raise StopInterrupt("SIGTERM while waiting to retry a weight sync")
+            time.sleep(min(self.STOP_POLL_S, max(0.0, end - time.perf_counter())))
 
     def _push(self, named: Any, version: int) -> None:
         if self.sender is None:

@@ -68,7 +68,7 @@ def test_a_failed_sync_rejoins_the_group_and_pushes_again(tmp_path, monkeypatch)
     """An engine that restarted left the group: the sender rejoins and the whole update goes again."""
     from headrace.trainer import rollout_control
 
-    monkeypatch.setattr(rollout_control.time, "sleep", lambda s: None)
+    monkeypatch.setattr(rollout_control.EngineControl, "_sleep", lambda self, s: None)
     calls: list[str] = []
 
     class Sender:
@@ -90,3 +90,19 @@ def test_a_failed_sync_rejoins_the_group_and_pushes_again(tmp_path, monkeypatch)
     ctl.sender = Sender()
     ctl.sync_weights(_state())
     assert calls == ["update:1:['w']", "reconnect", "update:1:['w']"]
+
+
+def test_a_restarted_engine_gets_the_current_weights_while_the_trainer_waits(tmp_path):
+    """The rollout keeps a restarted engine (initial weights) out of use: no group would ever come."""
+    calls: list[str] = []
+    engines = [{"url": "http://engine", "stale": True}]
+    ctl = _control(tmp_path, "http://unused", timeout_s=5.0, stop=None)
+    ctl.info = SimpleNamespace(rank=0, dp_rank=0, tp=1)
+    ctl.rollout = SimpleNamespace(status=lambda: {"engines": engines}, pause=lambda mode: calls.append("pause"),
+                                  resume=lambda v: calls.append(f"resume:{v}"), close=lambda: None)
+    ctl.sender = SimpleNamespace(connected=True, update=lambda named, v: calls.append(f"update:{v}"))
+    ctl.refresh_stale(_state())
+    assert calls == ["pause", "update:1", "resume:1"]
+    engines[0]["stale"] = False
+    ctl.refresh_stale(_state())                       # every engine current: nothing to do
+    assert calls == ["pause", "update:1", "resume:1"]
