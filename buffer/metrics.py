@@ -32,7 +32,7 @@ class _StoreCollector:
         g.add_metric(["held"], s["held"])
         g.add_metric(["dead_lettered"], s["dead_lettered"])
         yield g
-        yield GaugeMetricFamily("headrace_buffer_capacity", "max queued + leased groups", value=s["capacity"])
+        yield GaugeMetricFamily("headrace_buffer_capacity", "max queued + leased groups (held not counted)", value=s["capacity"])
         yield GaugeMetricFamily("headrace_buffer_policy_version", "latest trainer policy version",
                                 value=s["policy_version"])
         for key, doc in (("consumed", "groups acked"), ("evicted_stale", "groups evicted as stale"),

@@ -16,7 +16,8 @@ Guarantees (file-backed store):
 - ``extend`` moves a deadline; ``trained=True`` marks the lease held: its groups stay in
   ``leased`` and are also counted in ``held``, and the capacity rule counts queued + leased - held.
 - ``reject`` moves some groups of a lease to the dead-letter table (durable, with reason and time;
-  their ids stay known, so they are never stored again) and queues the lease's other groups.
+  their ids stay known, so they are never stored again) and queues the lease's other groups,
+  ahead of every later arrival (the queue is ordered by first arrival).
 
 Each group is one small row of indexed columns (seq, group_id, weight_version, state, lease_id)
 plus its msgpack blob in a separate table, so that state changes (lease, ack, expiry) rewrite a

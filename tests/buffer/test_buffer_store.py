@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from headrace.buffer.ingest import parse_groups
-from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, LeaseState, lease_transition
+from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, LeaseState, NotInLease, lease_transition
 from headrace.shared.staleness import is_stale
 from headrace.buffer.store import GroupRow, Store
 from headrace.shared import wire
@@ -116,3 +116,25 @@ def test_payloads_of_consumed_and_evicted_groups_are_purged(tmp_path: Path) -> N
     assert blobs() == 1 and not s.to_purge
     got = s.lease(1, 60, None)
     assert got is not None and msgpack.unpackb(got.blobs[0])["group_id"] == "b"
+
+
+def test_held_leases_expire_like_others_and_reject_checks_membership(tmp_path: Path) -> None:
+    s = Store(str(tmp_path / "h.sqlite"), capacity=2, max_staleness=1)
+    s.post([row("a"), row("b")])
+    held = s.lease(2, 10.0, None, now=100.0)
+    assert held is not None
+    assert s.extend(held.lease_id, 10.0, trained=True, now=105.0) == (115.0, True)
+    assert s.post([row("c")]).accepted == 1  # held groups leave room under the capacity
+    assert s.stats()["held"] == 2 and s.next_expiry() == 115.0
+    assert s.expire(now=116.0) == 2  # a held lease the trainer stopped extending lapses like any other
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["held"]) == (3, 0, 0)
+    with pytest.raises(LeaseConflict):
+        s.extend(held.lease_id, 10.0, now=117.0)
+    other = s.lease(2, 10.0, None, now=120.0)
+    assert other is not None
+    with pytest.raises(NotInLease):
+        s.reject(other.lease_id, ["c"], "not mine", now=121.0)
+    assert s.reject(other.lease_id, ["b"], "bad", now=121.0) == (1, 1)
+    page, nxt = s.dead_letters(0, 10)
+    assert [(d["group_id"], d["reason"], d["at"]) for d in page] == [("b", "bad", 121.0)] and nxt is None
