@@ -114,20 +114,18 @@ def protect(app: Any, auth: Any) -> None:
         app.add_middleware(BearerAuth, guard=guard)
 
 
-# SGLang (0.5.23) and sglang-router (0.3.2) take their key only as ``--api-key`` on the command
-# line. This launcher appends it inside the child's own sys.argv, from HEADRACE_TOKEN, so the OS
-# command line (/proc/<pid>/cmdline, ps) never holds it; the module then runs as with ``-m``.
-_WITH_KEY = ("import os, runpy, sys; mod, flag = sys.argv[1], sys.argv[2]; "
-             "sys.argv = [mod, *sys.argv[3:], flag, os.environ['HEADRACE_TOKEN']]; "
-             "runpy.run_module(mod, run_name='__main__', alter_sys=True)")
-
-
 def module_argv(python: str, module: str, args: list[str], token: str | None, flag: str = "--api-key") -> list[str]:
     """``python -m module args``, plus ``flag <token>`` taken from the child's HEADRACE_TOKEN when a
-    token is set (start the child with ``token_env(token)``)."""
+    token is set (start the child with ``token_env(token)``). SGLang (0.5.23) and sglang-router
+    (0.3.2) take their key only as ``--api-key``: ``shared/secret_launch.py`` (run with ``-c``: the
+    child's python is another venv's) appends it inside the child's own ``sys.argv``, so the OS
+    command line never holds it, and masks it in the child's output (SGLang logs its arguments)."""
     if not token:
         return [python, "-m", module, *args]
-    return [python, "-c", _WITH_KEY, module, flag, *args]
+    from pathlib import Path
+
+    launcher = (Path(__file__).parent / "secret_launch.py").read_text().split('"""', 2)[2].strip()  # no docstring
+    return [python, "-c", launcher, module, flag, *args]
 
 
 def read_token_file(path: str, what: str = "--token-file") -> str:

@@ -226,3 +226,29 @@ def test_guard_rules() -> None:
     assert g.allows(_scope("/health", None)) and g.allows(_scope("/metrics", None))
     assert not Guard(TOKEN, protect_metrics=True).allows(_scope("/metrics", None))
     assert Guard(None).allows(_scope("/v1/stats", None))
+
+
+PROBE = '''
+import os, subprocess, sys
+token = os.environ["HEADRACE_TOKEN"]
+print("argv ends with the key:", sys.argv[-2:] == ["--api-key", token], sys.argv[1:-2], flush=True)
+print("server_args api_key=" + sys.argv[-1], flush=True)                       # as SGLang logs it
+subprocess.run([sys.executable, "-c", "import os; print('child', os.environ['HEADRACE_TOKEN'])"])
+'''
+
+
+def test_module_argv_keeps_the_key_out_of_argv_and_output(tmp_path: Path) -> None:
+    """What SGLang and sglang-router are launched with: the key reaches the module's sys.argv only."""
+    import sys
+
+    from headrace.shared.auth import module_argv, token_env
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    argv = module_argv(sys.executable, "probe", ["--port", "1"], TOKEN)
+    assert TOKEN not in " ".join(argv)
+    assert module_argv(sys.executable, "probe", ["--port", "1"], None) == [sys.executable, "-m", "probe", "--port", "1"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                       env=child_env(PYTHONPATH=str(tmp_path), **token_env(TOKEN)))
+    assert p.returncode == 0, p.stderr
+    assert "argv ends with the key: True ['--port', '1']" in p.stdout
+    assert TOKEN not in p.stdout + p.stderr and "api_key=***" in p.stdout and "child ***" in p.stdout
