@@ -88,10 +88,12 @@ def check_consistent(out: Path, steps: int) -> None:
 def test_run_then_resume(placement: str, model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "run.yaml", model_dir, out, placement=placement, steps=3)
-    r = headrace_run("--config", str(cfg))
+    token = {"HEADRACE_TOKEN": "run-tok-91c3"} if placement == "colocated" else {}   # one run with the run token
+    r = headrace_run("--config", str(cfg), env=child_env(**token))
     assert r.returncode == 0, r.stdout + r.stderr
 
     saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["auth"]["token"] == ("***" if token else None)          # never the token itself
     assert saved["run"]["placement"] == placement
     assert saved["rollout"]["mode"] == ("on_demand" if placement == "colocated" else "continuous")
     rows = metrics(out)
@@ -107,7 +109,7 @@ def test_run_then_resume(placement: str, model_dir: Path, tmp_path: Path) -> Non
     assert "eval score" in r.stdout
 
     # trainer.steps raised through the environment; the merged config is written back
-    r = headrace_run("--resume", str(out), env=child_env(HEADRACE_TRAINER__STEPS="4"))
+    r = headrace_run("--resume", str(out), env=child_env(HEADRACE_TRAINER__STEPS="4", **token))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resuming" in r.stdout
     assert yaml.safe_load((out / "config.yaml").read_text())["trainer"]["steps"] == 4
