@@ -12,7 +12,7 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
 - the caller gets what a single-sequence ``/generate`` would give it: that sequence's answer, checked
   (``check_answer``), or the exception a single request would raise: ``httpx.TransportError`` /
   ``httpx.TimeoutException`` (connection or timeout; a batch shares its fate), ``Retryable`` (5xx,
-  unusable body) or ``EngineError`` (4xx);
+  429 Too Many Requests: an engine's queue bound, unusable body) or ``EngineError`` (other 4xx);
 - a batch answered 4xx is sent again one sequence per request, so one bad sequence (a token
   outside the vocabulary, say) fails only its own caller; when every sequence then succeeds alone,
   the server does not take batches and that URL gets one sequence per request from then on (logged
@@ -153,7 +153,7 @@ class Transport:
             r = await self.http.post(f"{url}/generate", timeout=self.timeout_s, json={
                 "input_ids": [w.input_ids for w in items], "sampling_params": items[0].params,
                 "return_logprob": True})
-            if 400 <= r.status_code < 500:
+            if 400 <= r.status_code < 500 and r.status_code != 429:
                 # which sequence is bad is not known: ask one by one, so only that caller fails
                 self.refused_batches += 1
                 await asyncio.gather(*(self._deliver_single(url, w) for w in items))
@@ -214,7 +214,7 @@ def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None
 
 
 def _raise_for_status(r: httpx.Response, url: str) -> None:
-    if r.status_code >= 500:
+    if r.status_code >= 500 or r.status_code == 429:   # 429: the engine's queue is full; come back later
         raise Retryable(f"{url}/generate answered {r.status_code}: {r.text[:300]}")
     if r.status_code >= 400:
         raise EngineError(f"{url}/generate answered {r.status_code}: {r.text[:500]}")

@@ -87,8 +87,8 @@ async def health():
 @app.post("/generate")
 async def generate(request: Request):
     body = await request.json()
-    if mode == "500":
-        return JSONResponse({"error": "boom"}, status_code=500)
+    if mode in ("500", "429"):      # 429: an engine whose queue is full (--max-queued)
+        return JSONResponse({"error": "boom"}, status_code=int(mode), headers={"Retry-After": "1"})
     batch = isinstance(body["input_ids"][0], list)
     one = {"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
            "output_token_logprobs": [[-0.5, 1, None]]}}
@@ -128,7 +128,8 @@ def test_a_server_that_refuses_batches_gets_one_sequence_per_request(tmp_path: P
         proc.stop()
 
 
-@pytest.mark.parametrize("mode,error", [("500", Retryable), ("short", Retryable), ("dead", httpx.ConnectError)])
+@pytest.mark.parametrize("mode,error", [("500", Retryable), ("429", Retryable), ("short", Retryable),
+                                        ("dead", httpx.ConnectError)])
 def test_a_failed_batch_reaches_every_caller_as_the_single_request_error(tmp_path: Path, mode: str, error: type) -> None:
     url, proc = _fake(tmp_path, mode)
     try:
