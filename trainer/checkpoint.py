@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -52,16 +53,30 @@ def _barrier() -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    # numpy's key array travels as a tensor so the file loads with torch.load(weights_only=True)
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                           "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))}
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
 
 
+def _load(file: Path) -> Any:
+    """``torch.load`` restricted to tensors and plain containers (``weights_only=True``): a
+    checkpoint file cannot run code when it is read."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{file} holds objects other than tensors and plain values (written by an older "
+                         f"Headrace?); refusing to unpickle it: {e}") from None
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -145,13 +160,13 @@ def load_checkpoint(st: TrainerState, path: str | Path) -> dict[str, Any]:
     if (meta["tp"], meta["dp"]) != (info.tp, info.dp):
         raise ValueError(f"checkpoint {path} was written at tp={meta['tp']} dp={meta['dp']}; this trainer runs "
                          f"tp={info.tp} dp={info.dp} (export to HF and start from that to change the layout)")
-    blob = torch.load(path / f"model_tp{info.tp_rank}.pt", map_location="cpu", weights_only=False)
+    blob = _load(path / f"model_tp{info.tp_rank}.pt")
     st.model.load_state_dict(blob["model"])
     st.optimizer.load_state_dict(blob["optimizer"])
     st.scheduler.load_state_dict(blob["scheduler"])
     rng_file = path / f"rng_rank{info.rank}.pt"
     if rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(_load(rng_file))
     st.step = int(meta["step"])
     st.policy_version = int(meta["policy_version"])
     st.groups_consumed = int(meta["groups_consumed"])
