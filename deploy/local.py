@@ -41,7 +41,9 @@ stopped (by pid, its whole process group) on exit, error or Ctrl-C; Ctrl-C exits
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -205,16 +207,28 @@ def _fmt(name: str, v: Any, spec: str = ".3f") -> str:
 
 
 def run_local(config_path: str | None = None, out: str | None = None, resume: str | None = None) -> int:
-    """Run everything on this machine; returns the process exit code (0 done, 1 a service failed, 130 Ctrl-C).
+    """Run everything on this machine; returns the process exit code (0 done, 1 a service failed, 130 Ctrl-C
+    or SIGTERM).
 
     Raises ``ConfigError`` / ``FileNotFoundError`` for a bad config, a missing model or a bad
     ``--resume`` directory, before any child process starts.
     """
+    # SIGTERM (``kill``, a job scheduler, ``timeout``) takes Ctrl-C's path: every child is stopped,
+    # the trainer first so it checkpoints; by default Python would die at once and orphan them
+    previous = (signal.signal(signal.SIGTERM, _interrupt)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         return _run(config_path, out, resume)
     except KeyboardInterrupt:          # during config resolution or the demo's warm-up: nothing to stop
         print("\nheadrace run: interrupted", file=sys.stderr, flush=True)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _fresh_out(path: Path) -> Path:

@@ -124,7 +124,8 @@ def test_run_then_resume(placement: str, model_dir: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_sigint_stops_every_child_and_resume_continues(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_sigint_stops_every_child_and_resume_continues(model_dir: Path, tmp_path: Path, sig: int) -> None:
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "run.yaml", model_dir, out, placement="disaggregated", steps=200)
     proc = Proc(headrace_cmd("run", "--config", str(cfg)), tmp_path / "run.log")
@@ -145,7 +146,7 @@ def test_sigint_stops_every_child_and_resume_continues(model_dir: Path, tmp_path
                  for pid, _ in tree if Path(f"/proc/{pid}/cmdline").exists()}
         for service in ("buffer serve", "rollout serve", "engine serve", " train "):
             assert any(service in n for n in names), (service, names)
-        os.kill(proc.pid, signal.SIGINT)
+        os.kill(proc.pid, sig)
         assert proc.popen.wait(120) == 130, proc.log()
     finally:
         proc.stop()
@@ -161,12 +162,14 @@ def test_sigint_stops_every_child_and_resume_continues(model_dir: Path, tmp_path
         time.sleep(0.5)
     cmds = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200] for pid in left
             if Path(f"/proc/{pid}/cmdline").exists()}
-    assert not left, f"still running after Ctrl-C: {cmds or left}"
+    assert not left, f"still running after {signal.Signals(sig).name}: {cmds or left}"
     assert "--resume" in proc.log_path.read_text()     # the message says how to continue
 
     done = int((out / "ckpt" / "latest").read_text().strip().split("_")[1])
     # the trainer was stopped first (SIGTERM): it checkpointed the last step it finished
     assert done == step_rows(out)[-1]["step"], proc.log_path.read_text()[-4000:]
+    if sig == signal.SIGTERM:
+        return                                          # the resume below is the same for both signals
     r = headrace_run("--resume", str(out), env=child_env(HEADRACE_TRAINER__STEPS=str(done + 1)))
     assert r.returncode == 0, r.stdout + r.stderr
     rows = step_rows(out)
