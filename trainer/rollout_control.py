@@ -32,12 +32,11 @@ own; memory released for a step that then fails is resumed at ``close``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
 from headrace.shared.config import HeadraceConfig
+from headrace.shared.weight_sync.fanout import spawn
 from headrace.shared.weight_sync.protocol import WeightSyncError
 from headrace.trainer.lease import StopInterrupt, StopRequest
 
@@ -215,15 +214,7 @@ class EngineControl:
         SIGTERM arrives first. The abandoned sender is dropped: nothing more is sent through it."""
         if self.stop is None:
             return fn(*args)
-        fut: Future = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                fut.set_exception(exc)
-
-        threading.Thread(target=run, daemon=True, name="weight-sync-call").start()
+        fut = spawn(fn, *args)
         while True:
             try:
                 return fut.result(timeout=self.STOP_POLL_S)
