@@ -379,8 +379,9 @@ class _Edge:
 
 
 def serve(cfg: BufferConfig, log_level: str = "warning", auth: AuthConfig | None = None) -> None:
-    """Run the buffer in this process until SIGINT/SIGTERM (then the store closes cleanly)."""
-    import uvicorn
+    """Run the buffer in this process until SIGINT/SIGTERM: the store closes cleanly, and whatever
+    blocks the shutdown cannot hold the process past ``shared.serving``'s deadline (every commit is
+    already durable, so a forced exit loses nothing that was answered)."""
+    from headrace.shared.serving import serve as run
 
-    uvicorn.run(create_app(cfg, auth), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+    run(create_app(cfg, auth), cfg.host, cfg.port, log_level=log_level, name="buffer")

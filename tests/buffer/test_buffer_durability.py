@@ -116,3 +116,22 @@ def test_graceful_restart_keeps_counters_and_policy_version(tmp_path: Path) -> N
         assert after["duplicates"] == 1 and after["rejected"] == 1  # saved on shutdown (no write since)
     finally:
         proc.stop()
+
+
+def test_sigterm_stops_the_buffer_within_the_serving_deadline_and_keeps_what_it_answered(tmp_path: Path) -> None:
+    import signal
+
+    db = tmp_path / "buffer.sqlite"
+    proc, url = start_buffer(tmp_path, "--db", str(db))
+    try:
+        assert httpx.post(f"{url}/v1/groups", json={"groups": [make_group("g0")]}).status_code == 200
+        proc.popen.send_signal(signal.SIGTERM)
+        # generous: the serving deadline is 10 s; uvicorn re-raises the signal once shut down (-15)
+        assert proc.popen.wait(15) in (0, -signal.SIGTERM), proc.log()
+    finally:
+        proc.stop()
+    again, url = start_buffer(tmp_path, "--db", str(db), name="again")
+    try:
+        assert stats(url)["queued"] == 1
+    finally:
+        again.stop()
