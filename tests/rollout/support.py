@@ -43,6 +43,8 @@ class Stack:
         self.rollout: Proc | None = None
         self.starts = 0
 
+    rollout_args: tuple[str, ...] = ()   # extra `headrace rollout serve` flags, e.g. ("--insecure",)
+
     def start_buffer(self) -> None:
         self.buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(self.buffer_port), "--db",
                                         str(self.tmp / "buffer.sqlite")), self.tmp / "buffer.log")
@@ -51,7 +53,8 @@ class Stack:
     def start_rollout(self) -> None:
         self.starts += 1
         self.rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(self.config), "--port",
-                                         str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log",
+                                         str(self.rollout_port), *self.rollout_args),
+                            self.tmp / f"rollout-{self.starts}.log",
                             env=child_env(HEADRACE_LOG_LEVEL="INFO"))
         self.rollout.wait_http(f"{self.url}/health", timeout=240)
 

@@ -201,7 +201,9 @@ def test_launched_engines_bind_the_configured_host_and_are_listed_under_the_adve
         "engines": {"backend": "reference", "count": 1, "base_port": free_port(), "host": "0.0.0.0",
                     "advertise_host": "localhost"},
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4))},
-        "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 2}}).start()
+        "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 2}})
+    s.rollout_args = ("--insecure",)     # engines on 0.0.0.0 without a run token: refused unless asked for
+    s.start()
     (engine,) = s.get("/v1/engines")
     assert engine["url"].startswith("http://localhost:")
     pid = s.status()["engines"][0]["pid"]
