@@ -237,16 +237,24 @@ def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
                 finally:
                     svc.waiting -= 1
 
-    async def settle(request: Request, lease_id: str, action: str) -> Response:
-        store = svc.store
-        assert store is not None
-        fn = store.ack if action == "ack" else store.release
+    async def on_lease(request: Request, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the store's thread, or the answer naming why the lease refused it:
+        404 unknown lease, 409 not active any more, 422 groups that are not the lease's."""
         try:
-            n = await svc.db(fn, lease_id)
+            return await svc.db(fn, *args)
         except LeaseNotFound as e:
             return _error(request, 404, str(e))
         except LeaseConflict as e:
             return _error(request, 409, str(e))
+        except NotInLease as e:
+            return _error(request, 422, str(e))
+
+    async def settle(request: Request, lease_id: str, action: str) -> Response:
+        store = svc.store
+        assert store is not None
+        n = await on_lease(request, store.ack if action == "ack" else store.release, lease_id)
+        if isinstance(n, Response):
+            return n
         if action == "release" and n:
             await svc.notify()
         return wire.respond({"lease_id": lease_id, "groups": n}, request.headers.get("accept"))
@@ -266,12 +274,10 @@ def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
         req = await read_model(ExtendLeaseRequest, request)
         if isinstance(req, Response):
             return req
-        try:
-            expires_at, held = await svc.db(store.extend, lease_id, req.lease_s, req.trained)
-        except LeaseNotFound as e:
-            return _error(request, 404, str(e))
-        except LeaseConflict as e:
-            return _error(request, 409, str(e))
+        out = await on_lease(request, store.extend, lease_id, req.lease_s, req.trained)
+        if isinstance(out, Response):
+            return out
+        expires_at, held = out
         return wire.respond({"lease_id": lease_id, "expires_at": expires_at, "held": held}, request.headers.get("accept"))
 
     @app.post("/v1/leases/{lease_id}/reject")
@@ -281,14 +287,10 @@ def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
         req = await read_model(RejectLeaseRequest, request)
         if isinstance(req, Response):
             return req
-        try:
-            dead, requeued = await svc.db(store.reject, lease_id, req.group_ids, req.reason)
-        except LeaseNotFound as e:
-            return _error(request, 404, str(e))
-        except LeaseConflict as e:
-            return _error(request, 409, str(e))
-        except NotInLease as e:
-            return _error(request, 422, str(e))
+        out = await on_lease(request, store.reject, lease_id, req.group_ids, req.reason)
+        if isinstance(out, Response):
+            return out
+        dead, requeued = out
         if requeued:
             await svc.notify()
         return wire.respond({"lease_id": lease_id, "dead_lettered": dead, "requeued": requeued},
