@@ -27,7 +27,7 @@ from pydantic import Field, ValidationError, model_validator
 # The sections are part of this module's API (re-exported for ``from headrace.shared.config import TrainerConfig``).
 from headrace.shared.auth import REDACTED, TOKEN_ENV, read_token_file
 from headrace.shared.config_sections import (AuthConfig, BufferConfig, DataConfig, EnginesConfig,  # noqa: F401
-                                             NumGpus, RolloutConfig, RunSection, SamplingConfig, TrainerConfig,
+                                             LoRAConfig, NumGpus, RolloutConfig, RunSection, SamplingConfig, TrainerConfig,
                                              _Section)
 
 ENV_PREFIX = "HEADRACE_"
@@ -81,6 +81,12 @@ def cross_field_problems(cfg: HeadraceConfig) -> list[str]:
         out.append(f"trainer.min_lr ({t.min_lr}) exceeds trainer.lr ({t.lr})")
     if not all(0.0 <= beta < 1.0 for beta in t.betas):
         out.append(f"trainer.betas {list(t.betas)}: each must be in [0, 1)")
+    if t.lora_sync == "adapter" and t.lora is None:
+        out.append("trainer.lora_sync is adapter but trainer.lora is null: an adapter sync needs LoRA training: "
+                   "set trainer.lora or trainer.lora_sync: merged")
+    if t.lora is not None and t.lora_sync == "adapter" and t.weight_sync_hook:
+        out.append("trainer.lora_sync is adapter and trainer.weight_sync_hook is set: the plugin does the weight "
+                   "sync, so the adapter path would never run: drop one of the two")
     return out
 
 

@@ -53,6 +53,9 @@ def _sections(model: BaseModel, prefix: str) -> Iterator[tuple[str, BaseModel]]:
     yield prefix, model
     for name, field in type(model).model_fields.items():
         value = getattr(model, name)
+        if value is None:   # an optional section off by default (trainer.lora): document its keys too
+            value = next((a() for a in typing.get_args(field.annotation)
+                          if isinstance(a, type) and issubclass(a, _Section)), None)
         if isinstance(value, _Section):
             yield from _sections(value, f"{prefix}.{name}" if prefix else name)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
@@ -222,6 +222,36 @@ class RolloutConfig(_Section):
 # ---- trainer ---------------------------------------------------------------------------------
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(_Section):
+    """Low-rank adapters on the decoder's linear layers (DESIGN.md "LoRA"); the base stays frozen."""
+
+    read_by: ClassVar[str] = "trainer"
+    rank: int = Field(default=16, ge=1, le=65_536, description="adapter rank r (>= 1)")
+    alpha: float | None = Field(default=None, gt=0, le=1_000_000, description="LoRA alpha (> 0); the adapter "
+                                "output is scaled by alpha / rank (null: 2 x rank)")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter input, in the training "
+                           "forward only (old-logprob, reference and evaluation passes run without it)")
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
+                                      description="Hugging Face module names that get adapters: a subset of "
+                                                  + ", ".join(LORA_TARGETS))
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if m not in LORA_TARGETS]
+        if bad:
+            raise ValueError(f"unknown target module(s) {bad}; valid: {', '.join(LORA_TARGETS)}")
+        return list(dict.fromkeys(v))
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank, the factor of the adapter's output."""
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank
+
+
 class TrainerConfig(_Section):
     """The trainer (``headrace train``): parallelism, optimizer, RL loss, checkpoints, weight sync."""
 
@@ -294,6 +324,12 @@ class TrainerConfig(_Section):
                             description="write the final policy as a HF directory (`headrace run` always does)")
     export_hf_dir: str | None = Field(default=None, min_length=1, description="where export_hf writes; default "
                                       "`<run.out>/hf`")
+    lora: LoRAConfig | None = Field(default=None, description="low-rank adapters instead of full fine-tuning "
+                                    "(null: full fine-tuning); see the trainer.lora keys")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        default="merged", description="with trainer.lora, what a weight sync sends: merged (the targeted weights "
+                                      "W + alpha / rank * B A, any engine) or adapter (a PEFT adapter loaded through "
+                                      "the engines' /load_lora_adapter)")
     weight_sync_hook: str | None = Field(
         default=None, min_length=1, description="module:function `factory(config, info, rollout_url)` returning the "
                                                 "trainer's RolloutControl (generation, memory, pause, weight sync, "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -54,8 +55,10 @@ def copy_non_weight_files(source_dir: Path, out_dir: Path) -> None:
 
 
 def save_hf(model: TPDecoder, out_dir: str | Path, source_dir: str | Path, *,
-            dtype: torch.dtype | None = None) -> None:
-    """Write ``model`` as a HF directory at ``out_dir``; a collective over every rank of the job."""
+            dtype: torch.dtype | None = None,
+            named: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+    """Write ``model`` as a HF directory at ``out_dir``; a collective over every rank of the job.
+    ``named``: what to write instead of ``model.hf_state_dict()`` (a LoRA model's merged tensors)."""
     from safetensors.torch import save_file
 
     source, out = Path(source_dir), Path(out_dir)
@@ -69,7 +72,7 @@ def save_hf(model: TPDecoder, out_dir: str | Path, source_dir: str | Path, *,
     tensors: dict[str, torch.Tensor] = {}
     if info.dp_rank == 0:
         src_dtypes = _source_dtypes(source) if writer and dtype is None else {}
-        for name, t in model.hf_state_dict():
+        for name, t in (named or model.hf_state_dict)():
             if writer:
                 tensors[name] = t.to(dtype or src_dtypes.get(name, t.dtype)).cpu().contiguous()
     if writer:

@@ -101,8 +101,8 @@ def tp_sharded(model: nn.Module) -> set[int]:
     """``id`` of every parameter that is split over TP ranks (the rest are replicated).
 
     Read from the model's load/export specs (``trainer.model.loading.param_specs``) when it has
-    them, else from megatron-core's ``tensor_model_parallel`` attribute (which megatron only sets
-    when it initialises the weights itself).
+    them, else (and for LoRA adapters, ``trainer.lora``) from megatron-core's ``tensor_model_parallel``
+    attribute (which megatron only sets when it initialises the weights itself).
     """
     try:
         from headrace.trainer.model.loading import param_specs
@@ -112,7 +112,7 @@ def tp_sharded(model: nn.Module) -> set[int]:
         specs = None
     out = set()
     for name, p in model.named_parameters():
-        if (specs[name].mode != "rep") if specs is not None else getattr(p, "tensor_model_parallel", False):
+        if (specs[name].mode != "rep") if specs is not None and name in specs else getattr(p, "tensor_model_parallel", False):
             out.add(id(p))
     return out
 

@@ -75,7 +75,7 @@ def param_specs(model: nn.Module) -> dict[str, Spec]:
         specs[ours + "mlp.down.weight"] = Spec(((mlp + "down_proj.weight", inter),), "cols")
         if layer.mlp.down.bias is not None:
             specs[ours + "mlp.down.bias"] = rep(mlp + "down_proj.bias")
-    names = {n for n, _ in model.named_parameters()}
+    names = {n for n, _ in model.named_parameters() if ".lora." not in n}   # LoRA adapters: trainer.lora
     assert names == set(specs), f"parameters without a spec: {names ^ set(specs)}"
     return specs
 
@@ -174,13 +174,16 @@ def load_shards(model: nn.Module, model_dir: str | Path) -> None:
 
 
 @torch.no_grad()
-def gather_hf_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_tensors(model: nn.Module, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs, layer by layer, on the model's device (NCCL weight sync sends
-    them from there); yields on TP rank 0 only. A collective over the TP group."""
+    them from there); yields on TP rank 0 only. A collective over the TP group. ``only``: the
+    parameters (our names) to gather, default all."""
     info, shapes = model.info, full_shapes(model)
     tp, leader = info.tp, info.tp_rank == 0
     params = dict(model.named_parameters())
     for ours, spec in param_specs(model).items():
+        if only is not None and ours not in only:
+            continue
         local = params[ours].detach().contiguous()
         if spec.mode == "rep" or tp == 1:
             shards = [local]

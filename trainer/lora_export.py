@@ -1,0 +1,117 @@
+"""Write a LoRA policy as a PEFT adapter directory and as a merged Hugging Face model.
+
+``save_peft_adapter(model_or_tensors, out_dir, *, base_model_path, lora_cfg)`` writes
+``adapter_config.json`` (``peft_type: LORA``, ``task_type: CAUSAL_LM``, ``r``, ``lora_alpha``,
+``lora_dropout``, ``target_modules`` as a list, ``base_model_name_or_path``) and
+``adapter_model.safetensors`` with PEFT's tensor names, so ``peft.PeftModel.from_pretrained(base,
+out_dir)`` gives the trainer's logits (tested with the real ``peft``). Given a LoRA ``TPDecoder`` it
+is a collective over the model's TP group (gathered to TP rank 0, which writes; the other ranks
+return the path without writing); given a mapping of PEFT-named tensors it just writes them. The
+directory is written under a temporary name and renamed: a reader never sees half an adapter.
+
+``save_merged_hf(model, out_dir, source_dir)`` writes ``<out_dir>`` as a full HF model whose
+targeted weights are ``W + alpha / rank * B A`` in the base checkpoint's dtype; every other tensor
+is bit-identical to the base (it is the frozen base, written back in its own dtype).
+
+``base_checksum(model_dir)``: sha256 over the base checkpoint's weight files (names and bytes),
+recorded in LoRA checkpoints so a resume on another base is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from headrace.shared.config_sections import LoRAConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_config(lora_cfg: LoRAConfig | Mapping[str, Any], base_model_path: str | Path) -> dict[str, Any]:
+    """The ``adapter_config.json`` PEFT reads for ``lora_cfg`` (a ``LoRAConfig`` or its dict)."""
+    cfg = lora_cfg if isinstance(lora_cfg, LoRAConfig) else LoRAConfig.model_validate(dict(lora_cfg))
+    alpha = cfg.rank * cfg.scaling
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank,
+            "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+            "lora_dropout": cfg.dropout, "target_modules": list(cfg.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "inference_mode": True,
+            "base_model_name_or_path": str(base_model_path)}
+
+
+def save_peft_adapter(model_or_tensors: nn.Module | Mapping[str, torch.Tensor], out_dir: str | Path, *,
+                      base_model_path: str | Path, lora_cfg: LoRAConfig | Mapping[str, Any],
+                      dtype: torch.dtype | None = None) -> Path:
+    """Write a PEFT LoRA directory at ``out_dir`` (replacing one there) and return its path.
+
+    ``model_or_tensors``: a ``TPDecoder`` with adapters (``trainer.lora.apply_lora``; a collective
+    over its TP group, TP rank 0 writes) or ``{PEFT name: full tensor}``. Tensors are written in
+    ``dtype`` (default: as they are, the trainer's dtype). Raises ValueError for a model without
+    adapters or an empty mapping.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if isinstance(model_or_tensors, nn.Module):
+        from headrace.trainer.lora import adapter_tensors
+
+        tensors = dict(adapter_tensors(model_or_tensors))
+        if model_or_tensors.info.tp_rank != 0:
+            return out
+    else:
+        tensors = dict(model_or_tensors)
+    if not tensors:
+        raise ValueError("no adapter tensors to save")
+    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()}
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(lora_cfg, base_model_path), indent=1))
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    for f in (tmp / ADAPTER_CONFIG, tmp / ADAPTER_WEIGHTS):
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    if out.exists():
+        old = out.with_name(out.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def save_merged_hf(model: nn.Module, out_dir: str | Path, source_dir: str | Path) -> Path:
+    """The merged policy as a HF directory (see the module docstring); a collective over all ranks."""
+    from headrace.trainer.hf_io import save_hf
+    from headrace.trainer.lora import merged_tensors
+
+    save_hf(model, out_dir, source_dir, named=lambda: merged_tensors(model, everything=True))
+    return Path(out_dir)
+
+
+@lru_cache(maxsize=8)
+def base_checksum(model_dir: str) -> str:
+    """sha256 over the weight files of ``model_dir`` (each file's name, then its bytes, in name order)."""
+    h = hashlib.sha256()
+    files = sorted(p for p in Path(model_dir).iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} holds no .safetensors or .bin weight file")
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
