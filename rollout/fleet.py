@@ -10,6 +10,10 @@ Backends (``rollout.engines.backend``):
 Guarantees:
 - Engines are reached only over SGLang's HTTP API; this module never imports ``rollout.engine``.
 - ``start`` returns once every engine answers /health, or raises naming the engine and its log.
+  An external engine that is up (``/get_model_info`` answers) but whose /health has answered 503
+  for ``HELD_AFTER_S`` is taken as *held*: paused by a predecessor of this service (killed between
+  a trainer's pause and its resume). ``held`` lists them; the service then starts paused, and the
+  trainer's retried ``/v1/resume`` releases them. Never resumed here: a weight sync may be running.
 - A launched engine whose process exits, or that fails ``health_failures`` checks in a row, is
   marked unhealthy at once (requests on it fail and are rerouted by the caller), killed and
   relaunched on the same port (up to ``max_restarts``).
@@ -54,6 +58,7 @@ from headrace.shared.procs import child_env, free_port, stop_group
 
 log = logging.getLogger("headrace.rollout.fleet")
 PORT_WAIT_S = 15.0   # engines of a killed service stop within ~10 s (watchdog + shutdown deadline)
+HELD_AFTER_S = 20.0  # /health 503 while /get_model_info answers, this long: the engine is paused, not starting
 
 
 async def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool:
@@ -142,6 +147,7 @@ class Fleet:
         self._closing = False
         self.on_replaced: Any = None  # async callback(engine) after a restart, set by the router
         self.quiet: set[str] = set()  # why generation is held ("paused", "memory released"): liveness probes only
+        self.held: list[Engine] = []  # external engines found paused at start (see ``start``)
 
     # ---- launching ----
 
@@ -188,8 +194,11 @@ class Fleet:
                                       preexec_fn=None if self.cfg.backend == "reference" else _die_with_parent())
         log.info("engine %d: pid %d on %s", e.index, e.proc.pid, e.url)
 
-    async def _wait_healthy(self, e: Engine, timeout: float) -> None:
+    async def _wait_healthy(self, e: Engine, timeout: float, held_after_s: float | None = None) -> None:
+        """Until ``e`` answers /health; with ``held_after_s`` (external engines at start), also until
+        it has been up but not generating that long (then it is added to ``held``)."""
         deadline = time.monotonic() + timeout
+        held_since: float | None = None
         while time.monotonic() < deadline:
             if e.proc is not None and e.proc.poll() is not None:
                 tail = e.log_path.read_text(errors="replace")[-2000:] if e.log_path else ""
@@ -197,6 +206,17 @@ class Fleet:
                                    f"before it was healthy; log {e.log_path}:\n{tail}")
             if await self._probe(e):
                 return
+            if held_after_s is not None:
+                if await self._up_not_generating(e):
+                    held_since = held_since or time.monotonic()
+                    if time.monotonic() - held_since >= held_after_s:
+                        log.warning("engine %d (%s) is up but has not generated for %.0f s (/health 503): "
+                                    "taken as paused by a previous rollout service; this service starts "
+                                    "paused until POST /v1/resume", e.index, e.url, held_after_s)
+                        self.held.append(e)
+                        return
+                else:
+                    held_since = None
             await asyncio.sleep(0.25)
         raise RuntimeError(f"engine {e.index} ({e.url}) not healthy after {timeout:.0f} s "
                            f"(rollout.engines.startup_timeout_s); log {e.log_path}")
@@ -209,8 +229,17 @@ class Fleet:
         except httpx.HTTPError:
             return False
 
+    async def _up_not_generating(self, e: Engine) -> bool:
+        """/health answers 503 (the server is up) and /get_model_info answers 200."""
+        try:
+            if (await self.http.get(f"{e.url}/health", timeout=5.0)).status_code != 503:
+                return False
+            return (await self.http.get(f"{e.url}/get_model_info", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def start(self) -> None:
-        """Launch or attach every engine and wait until all are healthy; then watch them."""
+        """Launch or attach every engine and wait until all are healthy (or held); then watch them."""
         if self.cfg.backend == "external":
             if not self.cfg.urls:
                 raise ValueError("rollout.engines.urls: backend external needs at least one URL")
@@ -229,7 +258,8 @@ class Fleet:
             for e in self.engines:
                 self._launch(e)
         try:
-            await asyncio.gather(*(self._wait_healthy(e, self.cfg.startup_timeout_s) for e in self.engines))
+            held_after = HELD_AFTER_S if self.cfg.backend == "external" else None
+            await asyncio.gather(*(self._wait_healthy(e, self.cfg.startup_timeout_s, held_after) for e in self.engines))
         except BaseException:
             await self.stop()
             raise

@@ -133,6 +133,9 @@ class RolloutService:
         if version:
             self.fleet.set_version(version)
             self.gate.version = version
+        if self.fleet.held:   # paused by our predecessor: stay paused until the trainer's /v1/resume
+            self.gate.close()
+            self.fleet.quiet.add("paused")
         self.loop.start()
         log.info("rollout service up: %d engines, mode %s, run id %s, data at %s", len(self.fleet.engines),
                  rc.mode, self.run_id, self.data.state())

@@ -181,3 +181,31 @@ def test_engine_answering_garbage_fails_samples_and_the_service_keeps_running(tm
         assert s.get("/health")["status"] == "ok"
     finally:
         garbage.stop()
+
+
+@pytest.mark.slow
+def test_restarted_service_finds_its_predecessors_pause_and_waits_for_resume(tmp_path: Path, tiny_model,
+                                                                           stacks) -> None:
+    """A rollout service killed between a trainer's pause and its resume leaves the (external)
+    engines paused: /health answers 503. Its successor must come up anyway, paused, so the trainer's
+    retried /v1/resume reaches it (it used to wait for /health until the trainer gave up)."""
+    from tests.procs import reference_engine
+
+    with reference_engine(tiny_model, tmp_path / "engine.log") as (url, _engine):
+        s = stacks(tiny_model, {
+            "engines": {"backend": "external", "urls": [url]},
+            "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 200))},
+            "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 2,
+            "sampling": {"max_new_tokens": 8, "ignore_eos": True}}).start()
+        s.wait(lambda st: st["produced"] >= 2, what="groups produced")
+        assert s.post("/v1/pause", {"mode": "abort"}).status_code == 200
+        s.rollout.kill9()
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 503
+        s.start_rollout()
+        st = s.status()
+        assert st["paused"] and st["engines"][0]["healthy"], st
+        assert "taken as paused by a previous rollout service" in s.rollout.log()
+        produced = st["produced"]
+        assert s.post("/v1/resume", {}).status_code == 200
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        s.wait(lambda st: st["produced"] >= produced + 2, what="generation after resume")
