@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -274,13 +274,14 @@ class DecoderModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache, row0: int,
-                lens: torch.Tensor | None = None, last: torch.Tensor | None = None) -> torch.Tensor:
+                lens: torch.Tensor | None = None, last: torch.Tensor | None = None, lora: Any = None) -> torch.Tensor:
         """Logits [B, V] (fp32) of one position per row.
 
         Prefill (``lens is None``): ``input_ids`` [B, T] right-padded, written at positions 0..T-1
         of cache rows row0..row0+B-1; ``last`` [B] picks the position whose logits are returned.
         Decode: ``input_ids`` [B, 1] at position ``lens[b]`` of row row0+b (``lens`` = tokens
-        already cached per row).
+        already cached per row). ``lora`` (a ``rollout.engine.lora.LoraBatch``, or None) adds each
+        row's adapter delta to the outputs of the q/k/v, o, gate/up and down matrices.
         """
         a, p = self.arch, self.params
         B, T = input_ids.shape
@@ -300,6 +301,8 @@ class DecoderModel:
         for i in range(a.num_layers):
             x = rms_norm(h, p[f"{i}.ln1"], eps)
             qkv = self._linear(x, f"{i}.qkv", p.get(f"{i}.qkv_b"))
+            if lora is not None:
+                lora.add(qkv, x, f"{i}.qkv")
             q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
             q, k, v = q.view(B, T, H, hd), k.view(B, T, KH, hd), v.view(B, T, KH, hd)
             if a.qk_norm:
@@ -320,10 +323,14 @@ class DecoderModel:
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                    is_causal=True, enable_gqa=H != KH)
             o = o.transpose(1, 2).reshape(B, T, H * hd)
-            h = h + self._linear(o, f"{i}.o", p.get(f"{i}.o_b"))
+            attn = self._linear(o, f"{i}.o", p.get(f"{i}.o_b"))
+            h = h + (attn if lora is None else lora.add(attn, o, f"{i}.o"))
             x = rms_norm(h, p[f"{i}.ln2"], eps)
-            gate, up = self._linear(x, f"{i}.gu", p.get(f"{i}.gu_b")).chunk(2, dim=-1)
-            h = h + self._linear(F.silu(gate) * up, f"{i}.down", p.get(f"{i}.down_b"))
+            gu = self._linear(x, f"{i}.gu", p.get(f"{i}.gu_b"))
+            gate, up = (gu if lora is None else lora.add(gu, x, f"{i}.gu")).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = self._linear(act, f"{i}.down", p.get(f"{i}.down_b"))
+            h = h + (down if lora is None else lora.add(down, act, f"{i}.down"))
         if decode:
             h = h[:, 0]
         else:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from headrace.rollout.engine.lora import LoraBatch
 from headrace.rollout.engine.model import DecoderModel, KVCache
 from headrace.rollout.engine.sampling import BatchSampler, SamplingParams
 from headrace.rollout.engine.text import TextCodec
@@ -56,6 +57,7 @@ class Seq:
     weight_version: str = ""
     created: float = field(default_factory=time.monotonic)
     aborted_waiting: bool = False   # aborted from the waiting queue (SGLang then omits prompt_tokens)
+    lora: Any = None                # the LoRA adapter (rollout.engine.lora.LoraAdapter) it runs with, or None
 
     @property
     def tokens(self) -> list[int]:
@@ -257,7 +259,7 @@ class Scheduler:
             t = s.tokens
             ids[i, :len(t)] = torch.tensor(t)
         last = torch.tensor([len(s.tokens) - 1 for s in batch])
-        logits = self.model.forward(ids, self.cache, row0, last=last)
+        logits = self.model.forward(ids, self.cache, row0, last=last, lora=LoraBatch.of(batch))
         for s in batch:
             s.cached = len(s.tokens)
         self.running.extend(batch)
@@ -269,7 +271,7 @@ class Scheduler:
         lens = torch.tensor([s.cached for s in seqs])
         self.cache.ensure(len(seqs), int(lens.max()) + 1)
         ids = torch.tensor([s.output[-1] for s in seqs]).view(-1, 1)
-        logits = self.model.forward(ids, self.cache, 0, lens=lens)
+        logits = self.model.forward(ids, self.cache, 0, lens=lens, lora=LoraBatch.of(seqs))
         for s in seqs:
             s.cached += 1
         self._append(seqs, logits)

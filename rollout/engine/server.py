@@ -24,7 +24,8 @@ Guarantees:
   Generation while the weights are released, or after a failed weight update left them partly
   written, is a 503 with the reason.
 - Weight updates: see ``rollout.engine.updates`` (disk loads, memory) and ``rollout.engine.session``
-  (the update session's rules).
+  (the update session's rules). LoRA adapters (``/load_lora_adapter``, ``/unload_lora_adapter``,
+  ``lora_path`` in ``/generate``): see ``rollout.engine.lora_routes``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from fastapi.responses import Response
 
 from headrace.rollout.engine.confine import WeightDirs
 from headrace.rollout.engine.http import json_body, json_response
+from headrace.rollout.engine.lora_routes import LoraRegistry, add_lora_routes
 from headrace.rollout.engine.model import DecoderModel, resolve_dtype
 from headrace.rollout.engine.sampling import LimitError, parse_sampling_params
 from headrace.rollout.engine.scheduler import Scheduler, Seq
@@ -100,6 +102,7 @@ class Engine:
                                    max_prefill_tokens=max_prefill_tokens, logprob_mode=logprob_mode,
                                    weight_version=weight_version, batch_wait_s=batch_wait_ms / 1000.0)
         self.updates = WeightUpdates(self, weight_sync_timeout_s, WeightDirs(model_dir, allowed_weight_dirs))
+        self.loras = LoraRegistry(self)   # LoRA adapters (rollout.engine.lora_routes), confined like disk loads
 
     async def run(self, fn: Any) -> Any:
         """Run ``fn`` on the scheduler thread and await its result."""
@@ -107,8 +110,8 @@ class Engine:
 
     # ---- /generate --------------------------------------------------------------------------
 
-    def parse(self, body: Any) -> tuple[bool, list[tuple[list[int], Any, bool, str]], bool]:
-        """(is_batch, [(prompt ids, sampling params, return_logprob, rid)], text_in_logprobs)."""
+    def parse(self, body: Any) -> tuple[bool, list[tuple[list[int], Any, bool, str, Any]], bool]:
+        """(is_batch, [(prompt ids, sampling params, return_logprob, rid, LoRA adapter)], text_in_logprobs)."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         if body.get("stream"):
@@ -151,9 +154,13 @@ class Engine:
             rids = rid
         else:
             raise BadRequest("rid must be a string or a list of strings, one per prompt")
+        try:
+            loras = self.loras.resolve(body.get("lora_path"), n_items, batch)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
         vocab = self.model.arch.vocab_size
         items = []
-        for i, (p, sp, lp, r) in enumerate(zip(prompts, sps, lps, rids)):
+        for i, (p, sp, lp, r, lora) in enumerate(zip(prompts, sps, lps, rids, loras)):
             field = "text" if text is not None else "input_ids"
             where = f"{field}[{i}]" if batch else field
             if not p:
@@ -175,8 +182,8 @@ class Engine:
                                  f"messages and {params.max_new_tokens} tokens for the completion.")
             if params.stop and not self.codec.available:
                 raise BadRequest("sampling_params.stop needs a tokenizer; this model directory has none")
-            items.append((list(p), params, bool(lp), r))
-        total = sum(params.n for _, params, _, _ in items)
+            items.append((list(p), params, bool(lp), r, lora))
+        total = sum(params.n for _, params, *_ in items)
         if total > self.max_batch:
             raise BadRequest(f"this /generate asks for {total} sequences (prompts x n): this engine takes at most "
                              f"--max-batch {self.max_batch} per request", 422)
@@ -192,17 +199,17 @@ class Engine:
             raise BadRequest(f"{name} must be {'an object' if kind is dict else 'a boolean'} or a list of them")
         return [v] * n
 
-    def make_seqs(self, items: list[tuple[list[int], Any, bool, str]], loop: asyncio.AbstractEventLoop
+    def make_seqs(self, items: list[tuple[list[int], Any, bool, str, Any]], loop: asyncio.AbstractEventLoop
                   ) -> tuple[list[Seq], list[asyncio.Future]]:
         seqs, futs = [], []
-        for prompt, params, lp, rid in items:
+        for prompt, params, lp, rid, lora in items:
             for j in range(params.n):
                 fut = loop.create_future()
                 gen = None
                 if params.sampling_seed is not None:
                     gen = torch.Generator().manual_seed(params.sampling_seed + j)
                 seqs.append(Seq(rid=rid if params.n == 1 else f"{rid}_{j}", group=rid, prompt=prompt,
-                                params=params, return_logprob=lp, generator=gen,
+                                params=params, return_logprob=lp, generator=gen, lora=lora,
                                 on_finish=lambda s, f=fut: loop.call_soon_threadsafe(_resolve, f, s)))
                 futs.append(fut)
         return seqs, futs
@@ -265,7 +272,7 @@ class Engine:
             return sch.alive()
         params = parse_sampling_params({"max_new_tokens": 1, "temperature": 0.0}, self.model.arch.vocab_size)
         loop = asyncio.get_running_loop()
-        seqs, futs = self.make_seqs([([0], params, False, f"HEALTH_CHECK_{time.time()}")], loop)
+        seqs, futs = self.make_seqs([([0], params, False, f"HEALTH_CHECK_{time.time()}", None)], loop)
         sch.call(lambda: sch.add(seqs))
         try:
             await asyncio.wait_for(futs[0], timeout)
@@ -404,6 +411,7 @@ def build_app(model_dir: str | Path, auth: Any = None, **engine_kwargs: Any) -> 
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     engine.updates.register(app)
+    add_lora_routes(app, engine.loras)
     return app
 
 
