@@ -16,6 +16,9 @@ Guarantees:
   once ``save`` returns a path, that checkpoint survives one. The trainer acks the groups of the
   steps it contains only then (``trainer.lease``).
 - Model and optimizer shards are written once per TP rank (by DP rank 0; DP replicas are equal).
+  With LoRA (``trainer.lora``) the model shard holds the adapters only and meta.json names the base
+  model, its checksum and the adapter shape; a resume on another base, rank, alpha or targets is
+  refused with an error naming both (``trainer.lora_export.check_lora_meta``).
 - ``load_checkpoint`` restores model, optimizer, scheduler, step, policy version, data positions and
   every RNG, so the next step computes the same loss, bit for bit, as an uninterrupted run on the
   same batch. Resuming with a different TP or DP size is refused with a clear error.
@@ -42,6 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from headrace.trainer.lora import lora_state
+from headrace.trainer.lora_export import check_lora_meta, lora_meta
 from headrace.trainer.step import TrainerState
 
 log = logging.getLogger("headrace.trainer")
@@ -97,6 +102,24 @@ def _write_durably(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of the model: everything, or with LoRA the adapters only (the frozen
+    base is the model directory, named and checksummed in meta.json)."""
+    sd = model.state_dict()
+    return {k: v for k, v in sd.items() if ".lora." in k} if lora_state(model) is not None else sd
+
+
+def _load_model_state(model: torch.nn.Module, sd: dict[str, Any], path: Path) -> None:
+    if lora_state(model) is None:
+        model.load_state_dict(sd)
+        return
+    res = model.load_state_dict(sd, strict=False)
+    missing = [k for k in res.missing_keys if ".lora." in k]
+    if missing or res.unexpected_keys:
+        raise ValueError(f"checkpoint {path} does not hold this model's adapters (missing {missing[:3]}, "
+                         f"unexpected {list(res.unexpected_keys)[:3]})")
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -113,7 +136,7 @@ def save_checkpoint(st: TrainerState, checkpoint_dir: str | Path, keep: int = 2)
         tmp.mkdir(parents=True)
     _barrier()
     if info.dp_rank == 0:
-        torch.save({"model": st.model.state_dict(), "optimizer": st.optimizer.state_dict(),
+        torch.save({"model": _model_state(st.model), "optimizer": st.optimizer.state_dict(),
                     "scheduler": st.scheduler.state_dict()}, tmp / f"model_tp{info.tp_rank}.pt")
         _fsync(tmp / f"model_tp{info.tp_rank}.pt")
     torch.save(_rng_state(), tmp / f"rng_rank{info.rank}.pt")
@@ -122,6 +145,8 @@ def save_checkpoint(st: TrainerState, checkpoint_dir: str | Path, keep: int = 2)
     if info.rank == 0:
         meta = {"step": st.step, "policy_version": st.policy_version, "groups_consumed": st.groups_consumed,
                 "samples_consumed": st.samples_consumed, "tp": info.tp, "dp": info.dp, "extra": st.extra}
+        if lora_state(st.model) is not None:
+            meta["lora"] = lora_meta(st.model)
         _write_durably(tmp / "meta.json", json.dumps(meta, indent=1))
         _fsync(tmp)
         if final.exists():
@@ -160,8 +185,9 @@ def load_checkpoint(st: TrainerState, path: str | Path) -> dict[str, Any]:
     if (meta["tp"], meta["dp"]) != (info.tp, info.dp):
         raise ValueError(f"checkpoint {path} was written at tp={meta['tp']} dp={meta['dp']}; this trainer runs "
                          f"tp={info.tp} dp={info.dp} (export to HF and start from that to change the layout)")
+    check_lora_meta(st.model, meta.get("lora"), path, info)
     blob = _load(path / f"model_tp{info.tp_rank}.pt")
-    st.model.load_state_dict(blob["model"])
+    _load_model_state(st.model, blob["model"], path)
     st.optimizer.load_state_dict(blob["optimizer"])
     st.scheduler.load_state_dict(blob["scheduler"])
     rng_file = path / f"rng_rank{info.rank}.pt"
@@ -216,12 +242,17 @@ class Checkpointer:
 
 
 def export_hf(st: TrainerState, out_dir: str | Path, source_dir: str | Path) -> Path:
-    """Write the current policy as a Hugging Face directory (config + tokenizer from ``source_dir``).
+    """Write the current policy as a Hugging Face directory (config + tokenizer from ``source_dir``);
+    with LoRA the merged model, and the PEFT adapter beside it in ``<out_dir>-lora``.
 
     Collective over all ranks (``trainer.hf_io.save_hf``: DP rank 0's TP group gathers, rank 0 writes).
     """
     from headrace.trainer.hf_io import save_hf
 
     out = Path(out_dir)
-    save_hf(st.model, out, source_dir)
-    return out
+    if lora_state(st.model) is None:
+        save_hf(st.model, out, source_dir)
+        return out
+    from headrace.trainer.lora_export import save_lora_exports
+
+    return save_lora_exports(st.model, out, source_dir)

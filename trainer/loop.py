@@ -181,7 +181,12 @@ def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
     np.random.seed(t.seed)
     model = load_model(cfg.model, info, dtype=_dtype(t.dtype))
     ref = None
-    if t.kl_coef > 0:
+    if t.lora is not None:      # frozen base + adapters; the KL reference is the base (adapters off)
+        from headrace.trainer.lora import AdaptersOff, apply_lora
+
+        apply_lora(model, t.lora, base_path=cfg.model, seed=t.seed)
+        ref = AdaptersOff(model) if t.kl_coef > 0 else None
+    elif t.kl_coef > 0:
         ref = load_model(cfg.model, info, dtype=_dtype(t.dtype))
         ref.requires_grad_(False)
         ref.eval()

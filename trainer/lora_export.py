@@ -115,3 +115,64 @@ def base_checksum(model_dir: str) -> str:
             for chunk in iter(lambda: f.read(1 << 22), b""):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def save_lora_exports(model: nn.Module, out_dir: str | Path, source_dir: str | Path) -> Path:
+    """``headrace run``'s final export with LoRA: the merged model at ``out_dir`` and the PEFT adapter
+    at ``<out_dir>-lora`` (``<out>/hf`` and ``<out>/hf-lora``). A collective over all ranks."""
+    import torch.distributed as dist
+
+    from headrace.trainer.lora import lora_state
+
+    out = Path(out_dir)
+    save_merged_hf(model, out, source_dir)
+    info, state = model.info, lora_state(model)
+    if info.dp_rank == 0:
+        save_peft_adapter(model, out.with_name(out.name + "-lora"), base_model_path=state.base_path,
+                          lora_cfg=state.cfg)
+    if dist.is_initialized() and info.world_size > 1:
+        dist.barrier()
+    return out
+
+
+def lora_meta(model: nn.Module) -> dict[str, Any]:
+    """What a LoRA checkpoint records about its adapters and their base (meta.json ``lora``)."""
+    from headrace.trainer.lora import lora_state
+
+    state = lora_state(model)
+    cfg = state.cfg
+    return {"base_model": state.base_path, "base_sha256": base_checksum(state.base_path), "rank": cfg.rank,
+            "alpha": cfg.rank * cfg.scaling, "dropout": cfg.dropout, "target_modules": list(cfg.target_modules)}
+
+
+def check_lora_meta(model: nn.Module, saved: Mapping[str, Any] | None, path: Path, info: Any) -> None:
+    """Refuse (ValueError, on every rank) to resume ``model`` from a checkpoint whose LoRA record
+    ``saved`` (None: full fine-tuning) does not fit: LoRA vs full, another rank / alpha / targets, or
+    another base model (by checksum; computed on rank 0 and its verdict broadcast)."""
+    import torch.distributed as dist
+
+    from headrace.trainer.lora import lora_state
+
+    state = lora_state(model)
+    problem = ""
+    if state is None and saved is not None:
+        problem = (f"checkpoint {path} holds LoRA adapters (rank {saved.get('rank')}) but trainer.lora is null: "
+                   "set the same trainer.lora to resume it")
+    elif state is not None and saved is None:
+        problem = f"checkpoint {path} is a full fine-tuning checkpoint but trainer.lora is set: drop trainer.lora"
+    elif state is not None:
+        cfg = state.cfg
+        ours = {"rank": cfg.rank, "alpha": cfg.rank * cfg.scaling, "target_modules": list(cfg.target_modules)}
+        diff = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+        if diff:
+            problem = "; ".join(f"trainer.lora.{k} is {v!r} but checkpoint {path} has {s!r}" for k, (s, v) in diff.items())
+        elif info.rank == 0 and saved.get("base_sha256") != base_checksum(state.base_path):
+            problem = (f"checkpoint {path} was trained on base model {saved.get('base_model')} (sha256 "
+                       f"{str(saved.get('base_sha256'))[:12]}...) but this run's base {state.base_path} has sha256 "
+                       f"{base_checksum(state.base_path)[:12]}...: resume on the same base model")
+    if dist.is_initialized() and info.world_size > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = problem or box[0]
+    if problem:
+        raise ValueError(problem)

@@ -152,7 +152,7 @@ class EngineControl:
         if not self.gathers:
             return
         t0 = time.perf_counter()
-        named = st.model.hf_state_dict()
+        named = self._named(st)
         if not self.rank0:
             for _ in named:      # other TP ranks of replica 0: take part in the gather collectives
                 pass
@@ -172,8 +172,19 @@ class EngineControl:
                             "that restarted must join again), for at most %.0fs in all", st.policy_version, e,
                             attempt, budget)
                 self._sleep(min(10.0, 2.0 * attempt))
-                named = st.model.hf_state_dict()
+                named = self._named(st)
         self.times["weight_sync_s"] = time.perf_counter() - t0
+
+    @staticmethod
+    def _named(st: Any) -> Any:
+        """The tensors a sync sends (a TP collective): the whole model, or with LoRA (``lora_sync:
+        merged``) only the targeted weights, merged (``W + alpha / rank * B A``): the rest is the
+        frozen base the engines already serve."""
+        if getattr(st.model, "lora_state", None) is not None:
+            from headrace.trainer.lora import merged_tensors
+
+            return merged_tensors(st.model)
+        return st.model.hf_state_dict()
 
     def refresh_stale(self, st: Any) -> None:
         """Rank 0, while it waits for groups (continuous mode, tp 1): an engine that restarted serves its

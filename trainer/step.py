@@ -134,7 +134,8 @@ def train_step(st: TrainerState, batch: TrainBatch) -> dict[str, float]:
     # its detached logprobs are the old ones: one forward pass fewer (unless KL goes into rewards,
     # which needs them before the advantages).
     fused_old = (cfg.ppo_epochs == 1 and len(plan) == 1 and not (use_ref and cfg.kl_in_reward)
-                 and not cfg.separate_old_logprobs)
+                 and not cfg.separate_old_logprobs
+                 and not (cfg.lora is not None and cfg.lora.dropout > 0))   # LoRA dropout: old logprobs without it
     model.eval()
     with torch.no_grad():
         for mb in all_mbs:
