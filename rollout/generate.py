@@ -98,13 +98,19 @@ class EngineClient:
         self.tokens_out = 0
         self.partial_held = 0  # aborted requests holding partial tokens, waiting for resume
 
-    async def _once(self, input_ids: list[int], params: dict[str, Any]) -> tuple[dict[str, Any], int]:
-        """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError."""
+    async def _once(self, input_ids: list[int], params: dict[str, Any],
+                    ctx: Any = None) -> tuple[dict[str, Any], int]:
+        """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError.
+        A context with a ``pinned_engine`` attribute (an agent-gateway episode) keeps to that engine
+        while it is routable (its prefix cache holds the trajectory)."""
         while True:  # no await between the last gate check and enter(): a pause never misses us
             await self.gate.wait_open()
-            engine = await self.router.pick()
+            pinned = getattr(ctx, "pinned_engine", None)
+            engine = pinned if pinned is not None and pinned in self.fleet.routable() else await self.router.pick()
             if not self.gate.paused:
                 break
+        if hasattr(ctx, "pinned_engine"):
+            ctx.pinned_engine = engine
         version = self.gate.version
         engine.in_flight += 1
         self.gate.enter()
@@ -131,7 +137,7 @@ class EngineClient:
             params = dict(sampling, max_new_tokens=budget - len(ids))
             epoch = self.gate.abort_epoch
             try:
-                out, version = await self._once(list(input_ids) + ids, params)
+                out, version = await self._once(list(input_ids) + ids, params, ctx)
             except (httpx.TransportError, httpx.TimeoutException, Retryable) as e:
                 attempts += 1
                 bad += isinstance(e, Retryable)

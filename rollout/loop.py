@@ -19,7 +19,7 @@ import asyncio
 import inspect
 import logging
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
@@ -84,6 +84,8 @@ class RolloutLoop:
         self.http = http
         self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s)
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
+        # rollout.agent: ``await agent(item, group_id)`` -> the group's samples (the gateway's runner)
+        self.agent: Callable[[PromptItem, str], Awaitable[list[Sample]]] | None = None
         self.logger = logging.getLogger("headrace.rollout.plugin")
         self.groups_in_flight = 0
         self.backlog = 0  # buffer queued + leased, from /v1/stats (plus what we pushed since)
@@ -143,6 +145,8 @@ class RolloutLoop:
         bases = [prompt_sample(uid=f"{gid}-{i}", index=i, tokens=ids, prompt=text, **proto) for i in range(n)]
         if why:
             samples = [failed(b, why) for b in bases]
+        elif self.agent is not None:
+            samples = await self.agent(item, gid)
         else:
             params = sampling or self.rc.sampling.to_sglang()
             lists = await asyncio.gather(*(self._sample(b, params) for b in bases))

@@ -1,7 +1,8 @@
 """The rollout service's HTTP app (DESIGN.md "Rollout service", control API).
 
 Endpoints: GET /health, GET /v1/status, GET /v1/engines, POST /v1/pause, POST /v1/resume,
-POST /v1/generate_batch, POST /v1/release_memory, POST /v1/resume_memory, POST /v1/evaluate.
+POST /v1/generate_batch, POST /v1/release_memory, POST /v1/resume_memory, POST /v1/evaluate; the agent
+gateway's episodes and OpenAI API (``rollout/gateway/``, DESIGN.md "Agent gateway").
 
 Guarantees:
 - Plugins (generate / reward / filter) are loaded from the config at start-up; a bad path or a
@@ -41,10 +42,12 @@ from headrace.rollout.filters import load_filter
 from headrace.rollout.fleet import Fleet
 from headrace.shared.procs import free_port
 from headrace.rollout.generate import EngineClient, Gate, single_turn
+from headrace.rollout.gateway import routes as gateway_routes
+from headrace.rollout.gateway.agents import load_agent
+from headrace.rollout.gateway.gateway import Gateway
 from headrace.rollout.loop import RolloutLoop, check_generator
 from headrace.rollout.rewards import load_reward
 from headrace.rollout.router import LeastInFlight, SGLangRouter
-from headrace.shared.auth import protect
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.plugins import load_plugin
@@ -97,6 +100,9 @@ class RolloutService:
         if rc.generate:
             check_generator(self.generate_fn, rc.generate)
         self.reward_fn = load_reward(rc.reward)
+        if rc.agent and rc.generate:
+            raise ValueError("rollout.agent and rollout.generate are both set: an agent replaces the generator")
+        self.agent_fn = load_agent(rc.agent) if rc.agent else None
         self.filter_fn = load_filter(rc.filter)
         self.state_path = cfg.resolved_path(rc.state_path, "rollout_state.json")
         self.data = DataSource(rc.data, self.state_path)
@@ -127,6 +133,10 @@ class RolloutService:
         self.buffer = AsyncBufferClient(self.cfg.buffer.url, token=self.cfg.auth.token, retries=1, timeout=30.0)
         self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
                                 self.reward_fn, self.filter_fn, self.buffer, self.run_id, self.http)
+        self.gateway = Gateway(self.cfg, self.engine, self.tokenizer, self.reward_fn, self.loop.pusher.push,
+                               self.run_id, self.http, self.agent_fn)
+        self.loop.agent = self.gateway.agent
+        self.gateway.start()
         # A restarted service must tag samples with the version its engines hold (a trainer may have
         # pushed several versions already), or everything it generates is evicted as stale.
         version = await self.engines_version()
@@ -142,6 +152,7 @@ class RolloutService:
 
     async def stop(self) -> None:
         if hasattr(self, "loop"):
+            await self.gateway.stop()
             await self.loop.stop()
             await self.engine.transport.close()
             await self.buffer.close()
@@ -219,6 +230,7 @@ class RolloutService:
             "refused_batches": self.engine.transport.refused_batches,
             "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),
             "uptime_s": round(up, 1), "data": self.data.state(),
+            "gateway": self.gateway.status(), "prefix_breaks": self.gateway.store.counts["prefix_breaks"],
         }
 
 
@@ -236,7 +248,9 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
 
     app = FastAPI(title="headrace rollout", lifespan=lifespan)
     app.state.service = svc
-    protect(app, cfg.auth)   # 401 without the run token on every endpoint but /health
+    # 401 without the run token on every endpoint but /health (and /openai/, where episode keys are checked)
+    gateway_routes.protect(app, cfg.auth)
+    gateway_routes.mount(app, lambda: svc.gateway)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -168,6 +168,21 @@ class SamplingConfig(_Section):
         return d
 
 
+class GatewayConfig(_Section):
+    """The agent gateway of the rollout service: episodes and the OpenAI-compatible API at /openai/v1."""
+
+    read_by: ClassVar[str] = "rollout"
+    model_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                   description="model id the OpenAI API serves (GET /openai/v1/models; a request "
+                                               "naming another model is a 404); default the model directory's name")
+    episode_timeout_s: float = Field(default=600.0, gt=0, le=7 * 86_400,
+                                     description="seconds an episode may stay idle (no call, no finish) before it is "
+                                                 "finished as failed (reward null)")
+    call_timeout_s: float = Field(default=600.0, gt=0, le=86_400,
+                                  description="seconds one OpenAI call may take, waiting through a pause or weight "
+                                              "sync included; beyond it the call is answered 503")
+
+
 class RolloutConfig(_Section):
     """The rollout service (``headrace rollout serve``): data, engines, generation, rewards, filter."""
 
@@ -189,6 +204,11 @@ class RolloutConfig(_Section):
     eval_sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
     generate: str | None = Field(default=None, min_length=1, description="custom generator: module:function or "
                                  "file.py:function (default: one /generate per sample)")
+    agent: str | None = Field(default=None, min_length=1, description="in-service agent: module:function or "
+                              "file.py:function, `async def agent(ctx, task) -> float | None` driving `ctx.client` "
+                              "(an openai.AsyncOpenAI bound to a fresh episode), run n_samples_per_prompt times per "
+                              "prompt as one group (instead of `generate`)")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     reward: str = Field(default="exact_match", min_length=1, description="reward: a built-in (exact_match, math, "
                         "reasoning_gym, reasoning_gym_binary, remote) or module:function")
     filter: str | None = Field(default=None, min_length=1, description="group filter: a built-in name "

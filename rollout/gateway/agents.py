@@ -1,0 +1,116 @@
+"""In-service agents: ``rollout.agent`` run ``n_samples_per_prompt`` times per prompt as one group.
+
+Contract (DESIGN.md)::
+
+    async def agent(ctx: AgentContext, task: dict) -> float | None   # reward, or None for the reward fn
+
+``ctx.client`` is an ``openai.AsyncOpenAI`` bound to a fresh episode (``ctx.base_url`` and
+``ctx.api_key`` for code that builds its own client); ``task`` is ``{"prompt": str | None,
+"messages": list | None, "label": any, "metadata": {}}`` after ``input_key`` and ``prompt_template``.
+
+Guarantees:
+- Each run is an episode of the gateway (token-exact recording, one engine per episode, calls wait
+  during a pause or weight sync, partial rollouts resumed); its samples go to the rollout loop,
+  which filters and pushes the group like a generator's (same group ids, same data-slot bookkeeping).
+- An agent that raises, returns something other than a number or None, or leaves its episode idle
+  past ``rollout.gateway.episode_timeout_s`` yields failed samples (reason in metadata["error"]);
+  the loop keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from headrace.rollout.gateway.episodes import group_samples
+from headrace.shared.plugins import load_plugin
+from headrace.shared.schemas import Sample
+
+if TYPE_CHECKING:
+    from headrace.rollout.data import PromptItem
+    from headrace.rollout.gateway.episodes import EpisodeStore
+
+AgentFn = Callable[["AgentContext", dict[str, Any]], Awaitable["float | None"]]
+log = logging.getLogger("headrace.rollout.agent")
+
+
+@dataclass
+class AgentContext:
+    """What an agent gets: an OpenAI client bound to its episode, and where that client points."""
+
+    client: Any
+    base_url: str
+    api_key: str
+    episode_id: str
+    config: Any
+    logger: logging.Logger
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The ``rollout.agent`` plugin; ValueError unless it is an async function of (ctx, task)."""
+    fn = load_plugin(spec, what="rollout.agent")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.agent {spec!r}: must be an async function "
+                         "(async def agent(ctx, task) -> float | None)")
+    return fn
+
+
+class AgentRunner:
+    """Runs the agent for one prompt slot: n episodes at once, their samples as one list."""
+
+    def __init__(self, fn: AgentFn, store: "EpisodeStore", base_url: str, config: Any, n: int) -> None:
+        self.fn = fn
+        self.store = store
+        self.base_url = base_url.rstrip("/") + "/openai/v1"
+        self.config = config
+        self.n = n
+        self._http: Any = None
+
+    def _client(self, key: str) -> Any:
+        import httpx
+        import openai
+
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0),
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        # no SDK retries: a retried call after a lost answer would be a second call of the episode
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, http_client=self._http, max_retries=0)
+
+    async def __call__(self, item: "PromptItem", gid: str) -> list[Sample]:
+        p = item.prompt
+        task = {"prompt": p if isinstance(p, str) else None, "messages": p if isinstance(p, list) else None,
+                "label": item.label, "metadata": dict(item.metadata)}
+        runs = await asyncio.gather(*(self._one(gid, task, item) for _ in range(self.n)))
+        return group_samples(gid, [s for samples in runs for s in samples])
+
+    async def _one(self, gid: str, task: dict[str, Any], item: "PromptItem") -> list[Sample]:
+        ep, key = self.store.open(group_id=gid, label=item.label, metadata=dict(item.metadata), managed=False)
+        ctx = AgentContext(self._client(key), self.base_url, key, ep.id, self.config,
+                           logging.getLogger("headrace.rollout.plugin"))
+        run = asyncio.ensure_future(self.fn(ctx, dict(task, metadata=dict(task["metadata"]))))
+        ended = asyncio.ensure_future(ep.done.wait())
+        await asyncio.wait({run, ended}, return_when=asyncio.FIRST_COMPLETED)
+        reward, error = None, None
+        if not run.done():          # the episode timed out while the agent still ran
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+        elif run.exception() is not None:
+            e = run.exception()
+            log.warning("agent failed in episode %s: %s: %s", ep.id, type(e).__name__, e)
+            error = f"agent: {type(e).__name__}: {e}"
+        else:
+            out = run.result()
+            if out is not None and (isinstance(out, bool) or not isinstance(out, (int, float)) or not math.isfinite(out)):
+                error = f"agent must return a finite float or None, got {type(out).__name__} {str(out)[:40]}"
+            reward = None if out is None or error else float(out)
+        ended.cancel()
+        await self.store.finish(ep, reward=reward, error=error)
+        return ep.samples
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
