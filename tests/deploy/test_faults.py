@@ -15,7 +15,6 @@ after the trainer kill, dead-lettered, lost).
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from pathlib import Path
@@ -42,15 +41,21 @@ def _steps_done(metrics: Path) -> int:
     return max([r["step"] for r in _rows(metrics) if r.get("loss") is not None], default=0)
 
 
+def _diagnosis(procs: dict, rollout_url: str) -> str:
+    """What a stalled run looks like from outside: the rollout's status and every log's tail."""
+    try:
+        status = httpx.get(f"{rollout_url}/v1/status", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).text
+    except httpx.HTTPError as e:
+        status = f"unreachable: {e}"
+    tails = "\n".join(f"--- {name} ---\n{p.log()[-2500:]}" for name, p in procs.items())
+    return f"rollout /v1/status: {status[:3000]}\n{tails}"
+
+
 def _stats(url: str) -> dict:
     return httpx.get(f"{url}/v1/stats", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).json()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("HEADRACE_FAULT_TEST") != "1", reason=(
-    "opt-in (HEADRACE_FAULT_TEST=1) until a hang is fixed: in a fresh-clone CI run on 2 busy cores the "
-    "rollout service stopped producing after the second buffer restart (step 20 of 30) and the trainer "
-    "waited for groups until the deadline; it passed in an earlier run. Issue 14 stays open for it."))
 @pytest.mark.timeout(1800)
 def test_kill9_of_every_service_keeps_exactly_once(tmp_path: Path) -> None:
     from headrace.shared.modelzoo import init_model
@@ -104,10 +109,10 @@ def test_kill9_of_every_service_keeps_exactly_once(tmp_path: Path) -> None:
         for name in ("buffer", "engine", "rollout", "trainer"):
             start(name)
         for after, name in FAULTS:
-            deadline = time.monotonic() + 600
+            deadline = time.monotonic() + 300   # at most 5 steps per phase: a stall, not slowness, beyond it
             while _steps_done(metrics) < after:
                 assert procs["trainer"].alive(), procs["trainer"].log()[-6000:]
-                assert time.monotonic() < deadline, procs["trainer"].log()[-6000:]
+                assert time.monotonic() < deadline, _diagnosis(procs, rollout_url)
                 time.sleep(0.2)
             procs[name].kill9()
             if name == "trainer":
@@ -117,9 +122,9 @@ def test_kill9_of_every_service_keeps_exactly_once(tmp_path: Path) -> None:
                 replayed = (trained - saved) * GROUPS
             time.sleep(1.0)
             start(name)
-        deadline = time.monotonic() + 900
+        deadline = time.monotonic() + 600
         while procs["trainer"].alive():
-            assert time.monotonic() < deadline, procs["trainer"].log()[-6000:]
+            assert time.monotonic() < deadline, _diagnosis(procs, rollout_url)
             time.sleep(0.5)
         assert procs["trainer"].popen.returncode == 0, procs["trainer"].log()[-6000:]
         assert _steps_done(metrics) == STEPS
