@@ -371,7 +371,7 @@ def build_app(model_dir: str | Path, auth: Any = None, **engine_kwargs: Any) -> 
         state = await engine.run(engine.scheduler.state)
         return {**engine.args, "model_path": engine.model_path, "weight_version": engine.scheduler.weight_version,
                 "max_total_num_tokens": engine.context_length * engine.args["max_running_requests"],
-                "internal_states": [state], "version": VERSION}
+                "internal_states": [state], "queued_requests": engine.queued, "version": VERSION}
 
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:

@@ -118,26 +118,24 @@ def test_bad_generate_is_a_4xx_naming_the_problem(engine: Target, body: Any, sta
     assert len(greedy(engine, 1)) == 4
 
 
-@pytest.mark.skip(reason="timing-dependent: the three long requests meant to fill --max-queued 3 were answered "
-                         "before the probe in two runs on this machine (fresh-clone CI included); needs a "
-                         "deterministic way to hold requests queued")
 def test_beyond_max_queued_is_429_with_retry_after(engine: Target) -> None:
-    long = {"max_new_tokens": 1800, "ignore_eos": True}
-    held = [Background(engine, input_ids=prompt_ids(50 + i), rid=f"held-{i}", sampling_params=long) for i in range(3)]
+    # Deterministic: requests sent while generation is paused in place stay admitted and unanswered,
+    # so three of them fill --max-queued 3 (get_server_info's queued_requests says when).
+    assert post(engine, "/pause_generation", {"mode": "in_place"}).status_code == 200
+    held = [Background(engine, input_ids=prompt_ids(50 + i), rid=f"held-{i}",
+                       sampling_params={"max_new_tokens": 2, "ignore_eos": True}) for i in range(3)]
     try:
         deadline = time.monotonic() + 60
-        r = None
-        while time.monotonic() < deadline:
-            r = post(engine, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
-            if r.status_code == 429:
-                break
-            time.sleep(0.2)
-        assert r is not None and r.status_code == 429, r.text if r else None
+        while httpx.get(f"{engine.url}/get_server_info", timeout=30).json()["queued_requests"] < 3:
+            assert time.monotonic() < deadline, "the held requests were not admitted"
+            time.sleep(0.1)
+        r = post(engine, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 429, r.text
         assert "--max-queued 3" in message(r) and int(r.headers["retry-after"]) >= 1
     finally:
-        post(engine, "/abort_request", {"abort_all": True})
-        for bg in held:
-            bg.thread.join(120)
+        post(engine, "/continue_generation", {})
+    for bg in held:
+        assert len(bg.wait(120)["output_ids"]) == 2        # the held requests are answered after the pause
     assert len(greedy(engine, 2)) == 4
 
 
