@@ -79,7 +79,7 @@ async def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool
         await asyncio.sleep(0.25)
 
 
-def _die_with_parent() -> Any:
+def die_with_parent() -> Any:
     """A preexec_fn: the child gets SIGTERM when the launching thread ends (Linux; else None)."""
     if not sys.platform.startswith("linux"):
         return None
@@ -191,7 +191,7 @@ class Fleet:
             logf.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(cmd)}\n".encode())
             e.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=self._env(),
                                       start_new_session=True,
-                                      preexec_fn=None if self.cfg.backend == "reference" else _die_with_parent())
+                                      preexec_fn=None if self.cfg.backend == "reference" else die_with_parent())
         log.info("engine %d: pid %d on %s", e.index, e.proc.pid, e.url)
 
     async def _wait_healthy(self, e: Engine, timeout: float, held_after_s: float | None = None) -> None:

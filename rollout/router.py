@@ -99,11 +99,14 @@ class SGLangRouter:
             ["--health-check-endpoint", "/get_model_info"]
         args = ["--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(free_port()), *health, *self.args]
+        from headrace.rollout.fleet import die_with_parent
+
         cmd = module_argv(self.python, "sglang_router.launch_router", args, self.fleet.token)  # --api-key from env
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **token_env(self.fleet.token)})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1", **token_env(self.fleet.token)},
+                                         preexec_fn=die_with_parent())   # dies with this service, like its engines
         log.info("sglang-router pid %d on %s: %s", self.proc.pid, self.url, " ".join(cmd))
         async with httpx.AsyncClient(timeout=5.0, headers=bearer_headers(self.fleet.token)) as c:
             for _ in range(600):
