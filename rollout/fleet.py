@@ -148,6 +148,8 @@ class Fleet:
         self.on_replaced: Any = None  # async callback(engine) after a restart, set by the router
         self.quiet: set[str] = set()  # why generation is held ("paused", "memory released"): liveness probes only
         self.held: list[Engine] = []  # external engines found paused at start (see ``start``)
+        self.adapter: str | None = None        # the LoRA adapter generation names (rollout.adapters), or None
+        self.adapter_root: Path | None = None  # reference engines may load adapters from here (lora_sync: adapter)
 
     # ---- launching ----
 
@@ -157,6 +159,8 @@ class Fleet:
             cmd = [sys.executable, "-m", "headrace.deploy.cli", "engine", "serve", "--model", self.model,
                    "--host", self.cfg.host, "--port", str(port), "--threads", str(self.cfg.threads or 1),
                    "--parent-pid", str(os.getpid())]
+            if self.adapter_root is not None:
+                cmd += ["--allowed-weight-dirs", str(self.adapter_root)]
             if bind_refusal(self.cfg.host, self.token, False):   # `headrace rollout serve --insecure` allowed it
                 cmd.append("--insecure")
         elif b == "sglang":

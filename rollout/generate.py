@@ -115,7 +115,7 @@ class EngineClient:
         engine.in_flight += 1
         self.gate.enter()
         try:
-            out = await self.transport.post(engine.url, input_ids, params)
+            out = await self.transport.post(engine.url, input_ids, params, self.fleet.adapter)  # LoRA name or None
         except httpx.TransportError as e:
             if engine.index >= 0:
                 self.fleet.mark_down(engine, f"{type(e).__name__} during /generate")

@@ -1,7 +1,8 @@
 """The rollout service's HTTP app (DESIGN.md "Rollout service", control API).
 
 Endpoints: GET /health, GET /v1/status, GET /v1/engines, POST /v1/pause, POST /v1/resume,
-POST /v1/generate_batch, POST /v1/release_memory, POST /v1/resume_memory, POST /v1/evaluate; the agent
+POST /v1/generate_batch, POST /v1/release_memory, POST /v1/resume_memory, POST /v1/evaluate,
+POST /v1/load_adapter (``trainer.lora_sync: adapter``, ``rollout.adapters``); the agent
 gateway's episodes and OpenAI API (``rollout/gateway/``, DESIGN.md "Agent gateway").
 
 Guarantees:
@@ -37,6 +38,7 @@ import httpx
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
+from headrace.rollout.adapters import AdapterError, AdapterSync
 from headrace.rollout.data import DataSource
 from headrace.rollout.filters import load_filter
 from headrace.rollout.fleet import Fleet
@@ -51,6 +53,7 @@ from headrace.rollout.router import LeastInFlight, SGLangRouter
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.plugins import load_plugin
+from headrace.shared.weight_sync.adapter import LoadAdapterRequest, adapter_mode, adapter_root
 
 log = logging.getLogger("headrace.rollout")
 
@@ -110,6 +113,9 @@ class RolloutService:
         self.log_dir = Path(cfg.run.out) / "logs"
         self.tokenizer = load_tokenizer(cfg.model)
         self.fleet = Fleet(rc.engines, cfg.model, self.log_dir, token=cfg.auth.token)
+        self.adapters = AdapterSync(self.fleet)   # trainer.lora_sync: adapter (POST /v1/load_adapter)
+        if adapter_mode(cfg):
+            self.fleet.adapter_root = adapter_root(cfg)
         self.gate = Gate()
         self.started = time.time()
 
@@ -143,6 +149,8 @@ class RolloutService:
         if version:
             self.fleet.set_version(version)
             self.gate.version = version
+            if adapter_mode(self.cfg):
+                await self.adapters.adopt(version)
         if self.fleet.held:   # paused by our predecessor: stay paused until the trainer's /v1/resume
             self.gate.close()
             self.fleet.quiet.add("paused")
@@ -182,11 +190,15 @@ class RolloutService:
     async def resume(self, req: ResumeRequest) -> dict[str, Any]:
         v = self.gate.version if req.weight_version is None else req.weight_version
         self.fleet.set_version(v)
+        switched = self.adapters.switch(v)   # adapter sync: generation names v<v> from now on
         results = await self.fleet.broadcast("/continue_generation", {}, timeout=30.0)
         self.fleet.quiet.discard("paused")
         self.gate.open(v)
         bad = {u: r for u, r in results.items() if r.get("status") not in (200, 404)}
-        return {"paused": False, "weight_version": v, "engine_errors": bad}
+        out = {"paused": False, "weight_version": v, "engine_errors": bad}
+        if switched:
+            out["adapter"], out["adapter_unload_errors"] = self.fleet.adapter, await self.adapters.unload_old()
+        return out
 
     async def memory(self, path: str, req: MemoryRequest) -> dict[str, Any]:
         if self.gate.in_flight:
@@ -229,7 +241,7 @@ class RolloutService:
             "generate_requests": self.engine.transport.requests, "sequences_sent": self.engine.transport.sequences,
             "refused_batches": self.engine.transport.refused_batches,
             "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),
-            "uptime_s": round(up, 1), "data": self.data.state(),
+            "uptime_s": round(up, 1), "data": self.data.state(), "adapter": self.fleet.adapter,
             "gateway": self.gateway.status(), "prefix_breaks": self.gateway.store.counts["prefix_breaks"],
         }
 
@@ -288,6 +300,15 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
         if svc.gate.paused:
             raise HTTPException(409, "the service is paused: POST /v1/resume first")
         return await svc.loop.generate_batch(req.groups)
+
+    @app.post("/v1/load_adapter")
+    async def load_adapter(req: LoadAdapterRequest) -> dict[str, Any]:
+        """trainer.lora_sync adapter: load a PEFT directory on every engine as v<weight_version>
+        (rollout.adapters); 502 naming each engine that failed, with nothing left loaded."""
+        try:
+            return await svc.adapters.load(req.path, req.weight_version)
+        except AdapterError as e:
+            raise HTTPException(502, {"message": str(e), "engines": e.engines}) from None
 
     @app.post("/v1/release_memory")
     async def release_memory(req: MemoryRequest) -> dict[str, Any]:

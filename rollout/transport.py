@@ -19,7 +19,9 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
   once);
 - ``n`` != 1 in the sampling params is an ``EngineError`` (one call, one sequence) and sends nothing;
   ``window_s <= 0`` turns coalescing off;
-- a cancelled caller leaves the others' answers untouched.
+- a cancelled caller leaves the others' answers untouched;
+- ``lora`` (a LoRA adapter's name, ``trainer.lora_sync: adapter``) goes into the body as SGLang's
+  ``lora_path``; only sequences for the same adapter share a batch.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class _Waiting:
     input_ids: list[int]
     params: dict[str, Any]
     future: asyncio.Future
+    lora: str | None = None
 
 
 @dataclass
@@ -93,43 +96,46 @@ class Transport:
         self.timeout_s = timeout_s
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
-        self._queues: dict[tuple[str, str], _Queue] = {}   # by (engine URL, sampling params)
+        self._queues: dict[tuple[str, str, str | None], _Queue] = {}   # by (engine URL, sampling params, adapter)
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0   # HTTP /generate requests sent
         self.sequences = 0  # sequences they carried
         self.refused_batches = 0  # batches answered 4xx and resent one sequence per request
         self.no_batch: set[str] = set()  # URLs that refused a batch whose sequences were all fine alone
 
-    async def post(self, url: str, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def post(self, url: str, input_ids: list[int], params: dict[str, Any],
+                   lora: str | None = None) -> dict[str, Any]:
         """The checked answer for one sequence (see the module docstring for the errors)."""
         if params.get("n", 1) != 1:
             raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
                               f"got {params.get('n')!r} (make one call per sample)")
         if self.window_s <= 0 or self.max_batch == 1 or url in self.no_batch:
-            return await self._single(url, input_ids, params)
+            return await self._single(url, input_ids, params, lora)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        key = (url, json.dumps(params, sort_keys=True, default=str))   # one batch, one sampling_params
+        key = (url, json.dumps(params, sort_keys=True, default=str), lora)   # one batch, one sampling_params
         q = self._queues.setdefault(key, _Queue())
-        q.items.append(_Waiting(input_ids, params, fut))
+        q.items.append(_Waiting(input_ids, params, fut, lora))
         if len(q.items) >= self.max_batch:
             self._flush(key)
         elif q.timer is None:
             q.timer = loop.call_later(self.window_s, self._flush, key)
         return await fut
 
-    async def _single(self, url: str, input_ids: list[int], params: dict[str, Any]) -> dict[str, Any]:
+    async def _single(self, url: str, input_ids: list[int], params: dict[str, Any],
+                      lora: str | None = None) -> dict[str, Any]:
         self.requests += 1
         self.sequences += 1
         r = await self.http.post(f"{url}/generate", timeout=self.timeout_s, json={
-            "input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+            "input_ids": input_ids, "sampling_params": params, "return_logprob": True,
+            **({"lora_path": lora} if lora else {})})
         _raise_for_status(r, url)
         out = _json(r, url)
         if isinstance(out, list) and len(out) == 1:
             out = out[0]
         return check_answer(out, url)
 
-    def _flush(self, key: tuple[str, str]) -> None:
+    def _flush(self, key: tuple[str, str, str | None]) -> None:
         q = self._queues.pop(key, None)
         if q is None:
             return
@@ -152,7 +158,7 @@ class Transport:
             self.sequences += len(items)
             r = await self.http.post(f"{url}/generate", timeout=self.timeout_s, json={
                 "input_ids": [w.input_ids for w in items], "sampling_params": items[0].params,
-                "return_logprob": True})
+                "return_logprob": True, **({"lora_path": items[0].lora} if items[0].lora else {})})
             if 400 <= r.status_code < 500 and r.status_code != 429:
                 # which sequence is bad is not known: ask one by one, so only that caller fails
                 self.refused_batches += 1
@@ -185,7 +191,7 @@ class Transport:
 
     async def _deliver_single(self, url: str, w: _Waiting) -> None:
         try:
-            _settle(w.future, result=await self._single(url, w.input_ids, w.params))
+            _settle(w.future, result=await self._single(url, w.input_ids, w.params, w.lora))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             _settle(w.future, error=e)
             if not isinstance(e, Exception):

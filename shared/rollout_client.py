@@ -56,6 +56,11 @@ class RolloutClient:
     def resume(self, weight_version: int) -> dict[str, Any]:
         return self._call("POST", "/v1/resume", {"weight_version": weight_version})
 
+    def load_adapter(self, path: str, weight_version: int) -> dict[str, Any]:
+        """``trainer.lora_sync: adapter``: every engine loads the PEFT directory ``path`` as
+        ``v<weight_version>`` (repeatable: engines that have it are skipped); 502 names failing engines."""
+        return self._call("POST", "/v1/load_adapter", {"path": path, "weight_version": weight_version})
+
     def generate_batch(self, groups: int) -> dict[str, Any]:
         return self._call("POST", "/v1/generate_batch", {"groups": groups}, retry=False)
 

@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.weight_sync.fanout import spawn
+from headrace.shared.weight_sync.adapter import adapter_mode
 from headrace.shared.weight_sync.protocol import WeightSyncError
 from headrace.trainer.lease import StopInterrupt, StopRequest
 
@@ -149,6 +150,10 @@ class EngineControl:
         self._timed("resume_s", lambda: self.rollout.resume(version))
 
     def sync_weights(self, st: Any) -> None:
+        if adapter_mode(self.cfg):    # trainer.lora_sync: adapter: a PEFT directory, loaded by every engine
+            from headrace.trainer.lora_adapter_sync import sync_adapter
+
+            return sync_adapter(self, st)
         if not self.gathers:
             return
         t0 = time.perf_counter()

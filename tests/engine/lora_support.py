@@ -27,3 +27,9 @@ def write_peft_adapter(model_dir: Path, out: Path, *, r: int = 4, alpha: float =
     if merged_out is not None:
         model.merge_and_unload().save_pretrained(str(merged_out))
     return out
+
+
+async def parity_reward(ctx: object, sample: object) -> float:
+    """A reward plugin that varies within a group (the parity of the last token), so GRPO's
+    advantages are not all zero and a few steps move the adapters."""
+    return float(sample.tokens[-1] % 2)   # type: ignore[attr-defined]
