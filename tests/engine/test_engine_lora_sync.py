@@ -64,6 +64,7 @@ def test_adapter_sync_loads_each_version_and_unloads_the_previous(tiny_model: Pa
     assert all(row["rollout_logprob_abs_diff"] < 1e-4 for row in steps), [row["rollout_logprob_abs_diff"] for row in steps]
 
 
+@pytest.mark.slow
 def test_a_load_failing_on_one_engine_names_it_and_leaves_no_mix(tiny_model: Path, tmp_path: Path) -> None:
     """Two external engines under a rollout service with the run token; the second may not read dir B.
     A load from B is a 502 naming that engine, the first engine unloads it again, and generation keeps
