@@ -248,3 +248,26 @@ def test_peft_export_loads_with_peft_and_merged_export_keeps_the_base(lora_runs:
                 assert merged_sd[n].dtype == t.dtype and not merged_sd[n].equal(t), n
             else:
                 assert merged_sd[n].dtype == t.dtype and merged_sd[n].equal(t), f"{n} must be bit-identical to the base"
+
+
+def test_lora_config_errors_name_the_key() -> None:
+    from headrace.shared.config import ConfigError, load_config
+
+    cfg = load_config(overrides={"trainer.lora": {"rank": 8}})
+    assert cfg.trainer.lora.scaling == 2.0 and cfg.trainer.lora.target_modules == TARGETS
+    assert load_config().trainer.lora is None, "full fine-tuning by default"
+    cases = {"trainer.lora.rank": {"trainer.lora": {"rank": 0}},
+             "trainer.lora.alpha": {"trainer.lora": {"alpha": -1}},
+             "trainer.lora.dropout": {"trainer.lora": {"dropout": 1.0}},
+             "valid: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj":
+                 {"trainer.lora": {"target_modules": ["q_proj", "qkv_proj", "lm_head"]}},
+             "trainer.lora_sync is adapter but trainer.lora is null": {"trainer.lora_sync": "adapter"},
+             "trainer.weight_sync_hook is set": {"trainer.lora": {}, "trainer.lora_sync": "adapter",
+                                                 "trainer.weight_sync_hook": "m:f"}}
+    for needle, over in cases.items():
+        with pytest.raises(ConfigError, match="invalid configuration") as e:
+            load_config(overrides=over)
+        assert needle in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides={"trainer.lora": {"target_modules": ["q_proj", "qkv_proj", "lm_head"]}})
+    assert "['qkv_proj', 'lm_head']" in str(e.value) and str(e.value).count("\n") == 1, "one error listing both"
