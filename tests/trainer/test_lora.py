@@ -5,7 +5,7 @@ non-targeted tensor bit-identical to the base; bad adapters and ranks are refuse
 
 Everything runs for real: gloo process groups in processes started by ``trainer.launch.spawn``,
 the real ``peft`` and ``transformers`` in the test process. One spawn per TP size for every check
-(~40 s on the 2-core machine).
+(~45 s on the 2-core machine, shared by the two slow tests).
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def _close(a: Any, b: Any, what: str) -> None:
     assert err < TOL * scale, f"{what} differs by {err} (scale {scale})"
 
 
+@pytest.mark.slow
 def test_lora_tp1_tp2_and_peft_agree(lora_runs: dict[str, Any]) -> None:
     for j, (name, (d, targets)) in enumerate(lora_runs["models"].items()):
         job = lora_runs["jobs"][j]
@@ -208,6 +209,7 @@ def test_lora_tp1_tp2_and_peft_agree(lora_runs: dict[str, Any]) -> None:
                 assert res["adapter_back"][n].equal(t), f"{label} {name}: {n} after load and gather"
 
 
+@pytest.mark.slow
 def test_peft_export_loads_with_peft_and_merged_export_keeps_the_base(lora_runs: dict[str, Any]) -> None:
     import torch
     from peft import PeftModel
