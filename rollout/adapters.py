@@ -75,20 +75,19 @@ class AdapterSync:
         targets = [e for e in self.fleet.engines if e.healthy]
         if not targets:
             raise AdapterError(f"no healthy engine to load adapter {name} on", {})
-        fresh: list["Engine"] = []
-
-        async def one(e: "Engine") -> str | None:
+        async def one(e: "Engine") -> tuple[str | None, bool]:
+            """(error, whether this call loaded it)."""
             try:
                 if name in await self.listed(e):
-                    return None
+                    return None, False
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as ex:
-                return f"/v1/models: {type(ex).__name__}: {ex}"
+                return f"/v1/models: {type(ex).__name__}: {ex}", False
             err = await self._post(e, "/load_lora_adapter", {"lora_name": name, "lora_path": path})
-            if err is None:
-                fresh.append(e)
-            return err
+            return err, err is None
 
-        errors = {e.url: err for e, err in zip(targets, await asyncio.gather(*(one(e) for e in targets))) if err}
+        results = await asyncio.gather(*(one(e) for e in targets))
+        fresh = [e for e, (_, new) in zip(targets, results) if new]
+        errors = {e.url: err for e, (err, _) in zip(targets, results) if err}
         if not errors:
             res = await asyncio.gather(*(self._set_version(e, version) for e in targets))
             errors = {e.url: err for e, err in zip(targets, res) if err}
@@ -148,8 +147,9 @@ class AdapterSync:
         name = adapter_name(version)
         engines = self.fleet.routable()
         try:
-            if engines and all(name in await self.listed(e) for e in engines):
+            lists = [await self.listed(e) for e in engines]
+            if engines and all(name in names for names in lists):
                 self.fleet.adapter, self.loaded_version = name, version
                 log.info("engines serve adapter %s: generation names it", name)
         except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as ex:
-            log.warning("could not list the engines' adapters (%s): generation names none until the next sync", ex)
+            log.info("could not list the engines' adapters (%s): generation names none until the next sync", ex)

@@ -149,8 +149,7 @@ class RolloutService:
         if version:
             self.fleet.set_version(version)
             self.gate.version = version
-            if adapter_mode(self.cfg):
-                await self.adapters.adopt(version)
+            await self.adapters.adopt(version)   # engines serving adapter v<version>: generation names it
         if self.fleet.held:   # paused by our predecessor: stay paused until the trainer's /v1/resume
             self.gate.close()
             self.fleet.quiet.add("paused")

@@ -68,7 +68,8 @@ def test_adapter_sync_loads_each_version_and_unloads_the_previous(tiny_model: Pa
 def test_a_load_failing_on_one_engine_names_it_and_leaves_no_mix(tiny_model: Path, tmp_path: Path) -> None:
     """Two external engines under a rollout service with the run token; the second may not read dir B.
     A load from B is a 502 naming that engine, the first engine unloads it again, and generation keeps
-    naming the previous adapter; bad bodies are 422 and no token is 401."""
+    naming the previous adapter; bad bodies are 422 and no token is 401; a restarted service names
+    the adapter its engines serve."""
     from tests.engine.lora_support import write_peft_adapter
     from tests.procs import Proc, free_port
     from tests.rollout.support import Stack, write_prompts
@@ -135,6 +136,14 @@ def test_a_load_failing_on_one_engine_names_it_and_leaves_no_mix(tiny_model: Pat
         assert listed(urls[0]) == listed(urls[1]) == {"v2"}
         r = post("/v1/generate_batch", {"groups": 1})
         assert r.status_code == 200, r.text
+        # a restarted rollout service names the adapter of the version its engines serve
+        rollout.stop()
+        rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(stack.config), "--port",
+                                    str(stack.rollout_port)), tmp_path / "rollout-2.log",
+                       env=child_env(HEADRACE_TOKEN=token))
+        rollout.wait_http(f"{stack.url}/health", timeout=240)
+        status = httpx.get(f"{stack.url}/v1/status", headers=auth, timeout=30).json()
+        assert status["adapter"] == "v2" and status["weight_version"] == 2, status
     finally:
         if rollout is not None:
             rollout.stop()
