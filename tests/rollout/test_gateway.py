@@ -244,3 +244,30 @@ def wait_groups(stack: TokenStack, n: int, timeout: float = 30.0) -> list[Any]:
     while stack.buffer_stats()["queued"] < n and time.monotonic() < deadline:
         time.sleep(0.2)
     return stack.buffer_groups()
+
+
+def test_external_agent_drives_an_episode(stack: TokenStack) -> None:
+    """The example agent, unchanged, run outside the service: an episode opened over HTTP with the
+    run token, driven by its own AsyncOpenAI client, finished with the reward it returned."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from tests.procs import REPO
+
+    spec = importlib.util.spec_from_file_location("react_calculator", REPO / "examples" / "agents" / "react_calculator.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ep = stack.open_episode(group_id="external-agent", label="7")
+
+    async def run() -> float:
+        c = openai.AsyncOpenAI(base_url=ep["base_url"], api_key=ep["api_key"], max_retries=0)
+        try:
+            return await mod.agent(SimpleNamespace(client=c), {"prompt": "What is 3 + 4?", "label": "7"})
+        finally:
+            await c.close()
+
+    reward = asyncio.run(run())
+    assert stack.get(f"/v1/episodes/{ep['episode_id']}")["calls"] >= 1
+    stack.finish(ep["episode_id"], reward=reward)
+    (group,) = [g for g in wait_groups(stack, 1) if g.group_id == "external-agent"]
+    assert group.samples[0].reward == reward and 1 in group.samples[0].loss_mask
