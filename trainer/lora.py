@@ -288,9 +288,13 @@ def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
                 yield b_name, b
 
 
-def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``w + scale * b @ a`` computed in fp32, returned in ``w``'s dtype."""
-    return (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+def merge_weight(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                 inplace: bool = False) -> torch.Tensor:
+    """``w + scale * b @ a`` computed in fp32, returned in ``w``'s dtype (``inplace``: an fp32 ``w``
+    that the caller owns is updated in place, one ``addmm_`` and no extra copy)."""
+    if inplace and w.dtype == torch.float32:
+        return w.addmm_(b.float(), a.float(), alpha=scale)
+    return w.float().addmm(b.float(), a.float(), alpha=scale).to(w.dtype)
 
 
 @torch.no_grad()
@@ -309,7 +313,7 @@ def merged_tensors(model: nn.Module, *, everything: bool = False) -> Iterator[tu
     for name, w in gather_hf_tensors(model, only=only):
         if name in targets:
             a_name, b_name = peft_names(*targets[name])
-            yield name, merge_weight(w, adapters[a_name], adapters[b_name], state.scale)
+            yield name, merge_weight(w, adapters[a_name], adapters[b_name], state.scale, inplace=True)  # w: a fresh gather
         elif everything:
             yield name, w
 
