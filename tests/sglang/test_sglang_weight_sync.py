@@ -6,6 +6,9 @@ weights into a real ``sglang.launch_server`` process (the SGLang venv's torch 2.
 /end_weight_update. Afterwards SGLang's own output logprobs for a fixed prompt must equal the
 logprobs of the new weights computed with ``transformers`` (teacher-forced) within 1e-3.
 
+With LoRA (``trainer.lora_sync: merged``) only the targeted weights travel, merged on the trainer, and
+SGLang's logprobs equal the trainer's LoRA policy's within 1e-4.
+
 Also checks SGLang's weight-update session rule on the raw HTTP API (update outside a session is
 a 400), which the reference engine copies.
 """
@@ -129,3 +132,50 @@ def test_weight_sender_into_sglang_logprobs_match_new_weights(server: SGLangServ
         assert meta2["weight_version"] == "2"
         ref2 = teacher_forced(base, PROMPT, ids2)
         assert max(abs(a - b) for a, b in zip(lps2, ref2)) < ATOL, (lps2, ref2)
+
+
+def _lora_trainer(model_dir: str, url: str) -> dict:
+    """Trainer rank 0 (TP=1, its own gloo process): LoRA adapters with non-zero B, then the merged sync
+    ``trainer.lora_sync: merged`` sends (only the targeted weights, W + alpha / rank * B A) into SGLang;
+    returns SGLang's and the trainer's logprobs of SGLang's sampled tokens."""
+    from types import SimpleNamespace
+
+    from headrace.shared.config_sections import LoRAConfig
+    from headrace.shared.weight_sync import EngineTarget, WeightSender
+    from headrace.trainer.lora import adapter_tensors, apply_lora, load_adapter_tensors
+    from headrace.trainer.model import load_model
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
+    from headrace.trainer.rollout_control import EngineControl
+
+    info = init_distributed(1, 1)
+    try:
+        model = load_model(model_dir, info)
+        apply_lora(model, LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"]),
+                   base_path=model_dir, seed=1)
+        g = torch.Generator().manual_seed(5)
+        load_adapter_tensors(model, {k: (v if "lora_A" in k else torch.randn(v.shape, generator=g) * 0.05)
+                                     for k, v in adapter_tensors(model)})
+        with WeightSender([EngineTarget(url)], backend="gloo", bucket_bytes=256 << 10, timeout_s=120) as sender:
+            names: list[str] = []
+            sender.update(((n, names.append(n) or t) for n, t in EngineControl._named(SimpleNamespace(model=model))),
+                          weight_version=11)
+            ids, lps, meta = sglang_sample(url)
+        full = torch.tensor(PROMPT + ids)
+        with torch.no_grad():
+            lp, _ = model.token_logprobs(full, torch.arange(len(full)), torch.tensor([0, len(full)]),
+                                         torch.cat([full[1:], torch.zeros(1, dtype=full.dtype)]))
+        return {"names": names, "sglang": lps, "trainer": lp[len(PROMPT) - 1:-1].tolist(),
+                "version": meta["weight_version"]}
+    finally:
+        destroy_distributed()
+
+
+def test_merged_lora_sync_into_sglang_matches_the_trainer(server: SGLangServer, model_dir: Path) -> None:
+    from headrace.trainer.launch import spawn
+
+    res = spawn(_lora_trainer, 1, str(model_dir), server.url, timeout_s=300)[0]
+    assert res["version"] == "11" and res["names"]
+    assert all(any(f".{t}." in n for t in ("q_proj", "v_proj", "down_proj")) for n in res["names"])
+    diff = max(abs(a - b) for a, b in zip(res["sglang"], res["trainer"]))
+    print(f"\nmerged LoRA sync into SGLang: {len(res['names'])} tensors, max |logprob diff| {diff:.2e}")
+    assert diff < 1e-4, (res["sglang"], res["trainer"])
