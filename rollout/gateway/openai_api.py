@@ -114,7 +114,8 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": None}}, status_code=self.status)
+                                       "code": None}}, status_code=self.status,
+                            headers={"WWW-Authenticate": "Bearer"} if self.status == 401 else None)
 
 
 def parse(model: type[_Sampling], body: bytes) -> Any:

@@ -156,9 +156,9 @@ def test_after_sigkill_its_engines_stop_and_a_restart_takes_the_same_ports(stack
 def test_the_death_signal_of_sglang_launches_ends_the_child_with_its_launcher(tmp_path: Path) -> None:
     """The preexec_fn the fleet gives SGLang engines (PR_SET_PDEATHSIG), on a stand-in child."""
     pidfile = tmp_path / "child.pid"
-    script = ("import subprocess, sys, time; from headrace.rollout.fleet import _die_with_parent; "
+    script = ("import subprocess, sys, time; from headrace.rollout.fleet import die_with_parent; "
               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)'], "
-              f"preexec_fn=_die_with_parent(), start_new_session=True); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              f"preexec_fn=die_with_parent(), start_new_session=True); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
               "time.sleep(3600)")
     launcher = Proc([sys.executable, "-c", script], tmp_path / "launcher.log", env=child_env())
     try:
