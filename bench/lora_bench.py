@@ -127,7 +127,7 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
                 version += 1
                 t0 = time.perf_counter()
                 d = save_peft_adapter(lora.model, Path(adapters_dir) / f"v{version}", base_model_path=model_dir,
-                                      lora_cfg=lora.cfg.lora)
+                                      lora_cfg=lora.cfg.lora, durable=False)   # as trainer.lora_adapter_sync
                 r = client.post(f"{url}/load_lora_adapter", json={"lora_name": f"v{version}", "lora_path": str(d)})
                 if r.status_code != 200:
                     raise RuntimeError(f"/load_lora_adapter answered {r.status_code}: {r.text}")

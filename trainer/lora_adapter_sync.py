@@ -41,7 +41,8 @@ def sync_adapter(ctl: Any, st: Any) -> None:
         return
     t0 = time.perf_counter()
     cfg, version = ctl.cfg, st.policy_version
-    out = save_peft_adapter(st.model, adapter_dir(cfg, version), base_model_path=cfg.model, lora_cfg=cfg.trainer.lora)
+    out = save_peft_adapter(st.model, adapter_dir(cfg, version), base_model_path=cfg.model, lora_cfg=cfg.trainer.lora,
+                            durable=False)
     if not ctl.rank0:
         return
     budget, attempt = cfg.trainer.sync_timeout_s, 0
