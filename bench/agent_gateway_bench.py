@@ -1,0 +1,206 @@
+"""Agent gateway overhead: one OpenAI chat call through the gateway vs one ``ctx.generate`` call.
+
+One run starts a buffer (``--memory``), one reference engine and two rollout services attached to
+that same engine (backend external, on_demand), as real processes on loopback:
+
+- ``generate``: the service runs a generator that calls ``ctx.generate`` ``--turns`` times per
+  sample on the chat-templated prompt (later turns: the previous tokens, the answer's ids and a
+  tokenized user turn), nothing else;
+- ``gateway``: the service runs an in-service agent (``rollout.agent``) that sends the same
+  conversation with the official ``openai.AsyncOpenAI`` client (``ctx.client``,
+  ``chat.completions.create``) through the gateway at ``<rollout>/openai/v1``: routes, episode
+  auth, chat template, prefix matching, token-exact recording, the OpenAI answer and its parsing.
+
+Both use the same prompts, greedy sampling and ``ignore_eos``, so every call generates exactly
+``--new-tokens`` tokens; ``--groups`` x ``--n`` samples (episodes) run at once (default 4 x 8 = 32).
+Each round is one ``POST /v1/generate_batch``; the rounds alternate between the two services.
+
+    python bench/agent_gateway_bench.py [--groups 4] [--n 8] [--new-tokens 16] [--turns 1] [--rounds 3]
+
+Prints, per path, the median wall time of one call (timed inside the service around
+``ctx.generate`` / ``client.chat.completions.create``) and the generated tokens/s of the round
+(median over rounds), the rollout service's CPU time per call; the ratio gateway / generate of the per-call medians (target <= 1.15). The
+services share the CPU with the engine; on 2 cores that contention is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+
+from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
+
+# the service-side code of both paths; each call appends "kind seconds completion_tokens" to the
+# file named by HEADRACE_BENCH_TIMES
+PLUGIN = '''
+import os, time
+
+from headrace.rollout.generate import append_tokens, append_turn
+
+USER = "Go on."
+
+
+def _log(kind, dt, n):
+    with open(os.environ["HEADRACE_BENCH_TIMES"], "a") as f:
+        f.write(f"{kind} {dt:.6f} {n}\\n")
+
+
+async def generate(ctx, sample, sampling):
+    turns = int(os.environ["HEADRACE_BENCH_TURNS"])
+    more = list(ctx.tokenizer(ctx.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "x"}, {"role": "assistant", "content": "@@A@@"}, {"role": "user", "content": USER}],
+        add_generation_prompt=True, tokenize=False).split("@@A@@", 1)[1], add_special_tokens=False)["input_ids"])
+    for t in range(turns):
+        t0 = time.perf_counter()
+        out = await ctx.generate(sample.tokens, sampling)
+        _log("generate", time.perf_counter() - t0, len(out["output_ids"]))
+        append_turn(sample, out)
+        if t < turns - 1:
+            append_tokens(sample, more)
+    return sample
+
+
+async def agent(ctx, task):
+    turns = int(os.environ["HEADRACE_BENCH_TURNS"])
+    msgs = [{"role": "user", "content": task["prompt"]}]
+    for t in range(turns):
+        t0 = time.perf_counter()
+        r = await ctx.client.chat.completions.create(model="headrace", messages=msgs)
+        _log("gateway", time.perf_counter() - t0, r.usage.completion_tokens)
+        msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": USER}]
+    return 0.0
+'''
+
+
+def batch_round(url: str, groups: int) -> float:
+    t0 = time.perf_counter()
+    r = httpx.post(f"{url}/v1/generate_batch", json={"groups": groups}, timeout=900.0)
+    dt = time.perf_counter() - t0
+    r.raise_for_status()
+    assert r.json()["groups"] == groups, r.text
+    return dt
+
+
+def read_calls(path: Path) -> list[tuple[str, float, int]]:
+    if not path.exists():
+        return []
+    return [(k, float(dt), int(n)) for k, dt, n in (line.split() for line in path.read_text().splitlines())]
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny-qwen2")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8, help="episodes per group (groups x n run at once)")
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=1, help="chat calls per episode")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    args = ap.parse_args()
+
+    from headrace.shared.modelzoo import init_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="agent-gateway-bench-"))
+    model = init_model(args.preset, tmp / "model")
+    plugin = tmp / "bench_plugin.py"
+    plugin.write_text(PLUGIN)
+    data = tmp / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i % 97} + {i % 13}?", "label": str(i % 97 + i % 13)})
+                            + "\n" for i in range(args.groups * (2 * args.rounds + 4))))
+    times = tmp / "calls.txt"
+    concurrent = args.groups * args.n
+
+    procs: list[Proc] = []
+    try:
+        bport, eport = free_port(), free_port()
+        procs.append(Proc(headrace_cmd("buffer", "serve", "--port", str(bport), "--memory", "--capacity", "1000000"),
+                          tmp / "buffer.log"))
+        procs.append(Proc(headrace_cmd("engine", "serve", "--model", str(model), "--port", str(eport),
+                                       "--threads", str(args.threads)), tmp / "engine.log",
+                          env=child_env(threads=args.threads)))
+        procs[0].wait_http(f"http://127.0.0.1:{bport}/health")
+        procs[1].wait_http(f"http://127.0.0.1:{eport}/health", timeout=120)
+        urls: dict[str, str] = {}
+        pids: dict[str, int] = {}
+        for kind in ("generate", "gateway"):
+            port = free_port()
+            rollout = {"engines": {"backend": "external", "urls": [f"http://127.0.0.1:{eport}"]}, "mode": "on_demand",
+                       "data": {"path": str(data), "shuffle": False, "apply_chat_template": True},
+                       "n_samples_per_prompt": args.n, "groups_per_step": args.groups,
+                       "max_concurrency": concurrent, "reward": "exact_match",
+                       "sampling": {"temperature": 0.0, "max_new_tokens": args.new_tokens, "ignore_eos": True},
+                       "gateway": {"model_name": "headrace"}}
+            rollout["agent" if kind == "gateway" else "generate"] = f"{plugin}:{'agent' if kind == 'gateway' else 'generate'}"
+            cfg = tmp / f"{kind}.yaml"
+            cfg.write_text(yaml.safe_dump({"model": str(model),
+                                           "buffer": {"url": f"http://127.0.0.1:{bport}", "capacity": 1000000},
+                                           "rollout": rollout, "run": {"out": str(tmp / f"run-{kind}")}}))
+            procs.append(Proc(headrace_cmd("rollout", "serve", "--config", str(cfg), "--port", str(port)),
+                              tmp / f"rollout-{kind}.log",
+                              env=child_env(HEADRACE_LOG_LEVEL="WARNING", HEADRACE_BENCH_TIMES=str(times),
+                                            HEADRACE_BENCH_TURNS=str(args.turns))))
+            urls[kind] = f"http://127.0.0.1:{port}"
+            pids[kind] = procs[-1].pid
+            procs[-1].wait_http(f"{urls[kind]}/health", timeout=120)
+
+        for kind in urls:       # warm-up: engine caches, connection pools, first-call imports
+            batch_round(urls[kind], args.groups)
+        walls: dict[str, list[float]] = {k: [] for k in urls}
+        per_call: dict[str, list[float]] = {k: [] for k in urls}
+        tps: dict[str, list[float]] = {k: [] for k in urls}
+        cpu = dict.fromkeys(urls, 0.0)
+        order = list(urls)
+        for r in range(args.rounds):   # alternate the order so drifting background load hits both alike
+            for kind in order[r % 2:] + order[:r % 2]:
+                times.unlink(missing_ok=True)
+                c0 = _cpu_s(pids[kind])
+                wall = batch_round(urls[kind], args.groups)
+                cpu[kind] += _cpu_s(pids[kind]) - c0
+                calls = [c for c in read_calls(times) if c[0] == kind]
+                assert len(calls) == concurrent * args.turns, (kind, len(calls))
+                assert all(c[2] == args.new_tokens for c in calls), calls
+                walls[kind].append(wall)
+                per_call[kind] += [c[1] for c in calls]
+                tps[kind].append(sum(c[2] for c in calls) / wall)
+            print(f"round {r}: " + ", ".join(f"{k} {statistics.median(per_call[k][-concurrent * args.turns:]) * 1e3:.0f} ms/call "
+                                             f"{tps[k][-1]:.0f} tok/s" for k in urls), flush=True)
+        med = {k: statistics.median(v) for k, v in per_call.items()}
+        ratio = med["gateway"] / med["generate"]
+        result = {"bench": "agent_gateway", "preset": args.preset, "concurrent_episodes": concurrent,
+                  "turns": args.turns, "new_tokens": args.new_tokens, "rounds": args.rounds,
+                  "generate_ms_per_call": round(med["generate"] * 1e3, 1),
+                  "gateway_ms_per_call": round(med["gateway"] * 1e3, 1),
+                  "ratio": round(ratio, 3), "target_ratio": 1.15, "meets_target": ratio <= 1.15,
+                  "generate_tokens_per_s": round(statistics.median(tps["generate"]), 1),
+                  "gateway_tokens_per_s": round(statistics.median(tps["gateway"]), 1),
+                  "tokens_per_s_ratio": round(statistics.median(tps["gateway"]) / statistics.median(tps["generate"]), 3),
+                  "service_cpu_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
+                                              for k, v in cpu.items()},
+                  "generate_round_s": round(statistics.median(walls["generate"]), 3),
+                  "gateway_round_s": round(statistics.median(walls["gateway"]), 3)}
+        print(json.dumps(result))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+if __name__ == "__main__":
+    main()
