@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from bench.rollout_bench import cpu_seconds  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 # the service-side code of both paths; each call appends "kind seconds completion_tokens" to the
@@ -95,14 +96,6 @@ def read_calls(path: Path) -> list[tuple[str, float, int]]:
     if not path.exists():
         return []
     return [(k, float(dt), int(n)) for k, dt, n in (line.split() for line in path.read_text().splitlines())]
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -171,9 +164,9 @@ def main() -> None:
         for r in range(args.rounds):   # alternate the order so drifting background load hits both alike
             for kind in order[r % 2:] + order[:r % 2]:
                 times.unlink(missing_ok=True)
-                c0 = _cpu_s(pids[kind])
+                c0 = cpu_seconds(pids[kind])
                 wall = batch_round(urls[kind], args.groups)
-                cpu[kind] += _cpu_s(pids[kind]) - c0
+                cpu[kind] += cpu_seconds(pids[kind]) - c0
                 calls = [c for c in read_calls(times) if c[0] == kind]
                 assert len(calls) == concurrent * args.turns, (kind, len(calls))
                 assert all(c[2] == args.new_tokens for c in calls), calls

@@ -68,7 +68,7 @@ def service_round(url: str, groups: int) -> float:
     return dt
 
 
-def _cpu_s(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (Linux /proc)."""
     import os
 
@@ -142,9 +142,9 @@ def main() -> None:
         for r in range(args.rounds):  # rotate the order so drifting background load hits all alike
             for which in order[r % 3:] + order[:r % 3]:
                 if which == "service":
-                    c0 = _cpu_s(svc.pid)
+                    c0 = cpu_seconds(svc.pid)
                     times[which].append(service_round(url, args.groups))
-                    cpu[which] += _cpu_s(svc.pid) - c0
+                    cpu[which] += cpu_seconds(svc.pid) - c0
                 else:
                     c0 = time.process_time()
                     batch = args.direct_batch if which == "direct_batched" else 1

@@ -95,35 +95,28 @@ def mount(app: FastAPI, gateway: "Any") -> None:
             raise http_error(e) from None
         return {"episode_id": ep.id, "state": ep.state, "samples": len(ep.samples), "error": ep.error}
 
-    @app.post("/openai/v1/chat/completions")
-    async def chat(request: Request) -> Response:
+    async def _openai(request: Request, model: Any, call: Any, chunks: Any) -> Response:
+        """One OpenAI call: the episode from its key, the body, the call; JSON or server-sent events."""
         try:
             g = gw()
             ep = g.store.authenticate(request.headers.get("authorization"))
-            req = parse(ChatRequest, await request.body())
-            answer = await g.calls.chat(ep, req)
+            req = parse(model, await request.body())
+            answer = await call(g.calls)(ep, req)
         except ApiError as e:
             gw().store.counts["refused_calls"] += e.status < 500
             return e.response()
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(chat_chunks(answer, usage), media_type="text/event-stream")
+            return StreamingResponse(chunks(answer, usage), media_type="text/event-stream")
         return JSONResponse(answer)
+
+    @app.post("/openai/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _openai(request, ChatRequest, lambda calls: calls.chat, chat_chunks)
 
     @app.post("/openai/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            g = gw()
-            ep = g.store.authenticate(request.headers.get("authorization"))
-            req = parse(CompletionRequest, await request.body())
-            answer = await g.calls.completion(ep, req)
-        except ApiError as e:
-            gw().store.counts["refused_calls"] += e.status < 500
-            return e.response()
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(completion_chunks(answer, usage), media_type="text/event-stream")
-        return JSONResponse(answer)
+        return await _openai(request, CompletionRequest, lambda calls: calls.completion, completion_chunks)
 
     def _model(g: "Gateway") -> dict[str, Any]:
         return {"id": g.model_name, "object": "model", "created": 0, "owned_by": "headrace"}

@@ -53,14 +53,7 @@ class TokenStack(Stack):
 
     def buffer_groups(self) -> list[Group]:
         """Lease and ack everything queued in the buffer."""
-        with BufferClient(self.buffer_url, token=TOKEN) as c:
-            n = c.stats().queued
-            if n == 0:
-                return []
-            lease = c.lease(n, wait_s=0)
-            assert lease is not None
-            c.ack(lease.lease_id)
-            return lease.groups
+        return self.lease_all(TOKEN)
 
     def buffer_stats(self) -> dict[str, Any]:
         with BufferClient(self.buffer_url, token=TOKEN) as c:

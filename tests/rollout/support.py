@@ -90,8 +90,9 @@ class Stack:
         with BufferClient(self.buffer_url) as c:
             return c.stats().model_dump()
 
-    def lease_all(self) -> list[Group]:
-        with BufferClient(self.buffer_url) as c:
+    def lease_all(self, token: str | None = None) -> list[Group]:
+        """Lease and ack everything queued in the buffer."""
+        with BufferClient(self.buffer_url, token=token) as c:
             n = c.stats().queued
             if n == 0:
                 return []
