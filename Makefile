@@ -13,7 +13,7 @@ demo: venv
 
 # 2. The whole test suite, including the SGLang tier (builds its venv first).
 test: venv sglang-venv
-	CI=$${CI:-} $(PY) -m pytest -q --strict-markers --durations=40 tests
+	CI=$${CI:-} $(PY) -m pytest -q --strict-markers -n 2 --dist loadfile --durations=40 tests
 
 test-fast: venv
 	$(PY) -m pytest -q --strict-markers -m "not slow and not sglang" tests
