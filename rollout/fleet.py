@@ -357,9 +357,9 @@ class Fleet:
             await self._wait_healthy(e, self.cfg.startup_timeout_s)
             e.failures = 0
             e.stale = self.version > 0
-            e.healthy = True
-            if self.on_replaced is not None:
+            if self.on_replaced is not None:   # registered (sglang-router) before it counts as healthy
                 await self.on_replaced(e)
+            e.healthy = True
             log.info("engine %d back on %s%s", e.index, e.url, " (stale weights: held out)" if e.stale else "")
             self._notify()
         except Exception as ex:  # noqa: BLE001 - logged; the monitor tries again
