@@ -11,7 +11,8 @@ Guarantees:
 - With ``auth.token``, every endpoint but /health (and /metrics, unless ``auth.protect_metrics``)
   needs ``Authorization: Bearer <token>`` (``shared.auth.Guard``, as on every service).
 - Answers are msgpack when the request's Accept asks for it, JSON otherwise; errors are
-  ``{"detail": message}``.
+  ``{"detail": message}``. POST /v1/groups also takes ``application/x-headrace-columns`` bodies,
+  and a lease asked with that Accept is answered in columns (DESIGN "Columnar wire format").
 - Input is strict (``shared.schemas``): a body that is not JSON or msgpack is 415, anything that
   does not validate is 422 naming the field, and nothing is stored. A lease whose answer cannot
   be encoded is released before the 500, so no group is ever locked by its own answer.
@@ -39,7 +40,7 @@ from headrace.buffer.ingest import parse_groups
 from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
 from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, NotInLease
 from headrace.buffer.store import Lease, Store
-from headrace.shared import wire
+from headrace.shared import columns, wire
 from headrace.shared.auth import Guard
 from headrace.shared.config import AuthConfig, BufferConfig
 from headrace.shared.schemas import ExtendLeaseRequest, LeaseRequest, PolicyVersionRequest, RejectLeaseRequest
@@ -127,13 +128,22 @@ def _error(request: Request, status: int, message: str, headers: dict[str, str] 
 
 
 def _lease_answer(lease: Lease, accept: str | None) -> Response:
-    """Splice the stored msgpack blobs straight into a msgpack answer; decode them only for JSON."""
+    """Columns when asked for (stored column blobs concatenated, row blobs converted; rows that
+    columns cannot carry exactly fall back to msgpack rows). Row answers splice stored msgpack row
+    blobs straight into a msgpack answer; column blobs and JSON answers are decoded first."""
+    if columns.is_columns(accept):
+        try:
+            body = columns.merge(lease.blobs).pack({"lease_id": lease.lease_id, "expires_at": lease.expires_at})
+            return Response(body, media_type=columns.COLUMNS)
+        except columns.NotColumnar:
+            accept = wire.MSGPACK
     if wire.is_msgpack(accept):
         p = msgpack.Packer(use_bin_type=True)
+        blobs = [b if b[:4] != columns.BLOB_MAGIC else p.pack(columns.blob_rows(b)) for b in lease.blobs]
         parts = [p.pack_map_header(3), p.pack("lease_id"), p.pack(lease.lease_id), p.pack("groups"),
-                 p.pack_array_header(len(lease.blobs)), *lease.blobs, p.pack("expires_at"), p.pack(lease.expires_at)]
+                 p.pack_array_header(len(blobs)), *blobs, p.pack("expires_at"), p.pack(lease.expires_at)]
         return Response(b"".join(parts), media_type=wire.MSGPACK)
-    groups = [msgpack.unpackb(b, raw=False) for b in lease.blobs]
+    groups = [columns.blob_rows(b) for b in lease.blobs]
     body = wire.dumps_json({"lease_id": lease.lease_id, "groups": groups, "expires_at": lease.expires_at})
     return Response(body, media_type=wire.JSON)
 

@@ -3,7 +3,9 @@
 Guarantees:
 - the whole request is validated with the pydantic schemas (``PostGroupsRequest``, strict: see
   ``shared.schemas``) before anything is stored; the first error is reported as
-  ``groups[i].samples[j].field: message``; a Content-Type other than JSON / msgpack is 415;
+  ``groups[i].samples[j].field: message``; a Content-Type other than JSON / msgpack / columns is 415;
+- a columnar body (``application/x-headrace-columns``) is validated by ``shared.columns.decode``
+  (numpy, the same invariants and messages) and each group is stored as its own column blob;
 - everything accepted can be written back out as JSON and msgpack (the schemas refuse msgpack
   extensions, bytes, non-string keys and deep nesting), so no stored group can fail its lease;
 - each stored blob is the msgpack encoding of exactly what the client sent for that group. For a
@@ -19,7 +21,7 @@ import msgpack
 from pydantic import ValidationError
 
 from headrace.buffer.store import GroupRow
-from headrace.shared import wire
+from headrace.shared import columns, wire
 from headrace.shared.schemas import PostGroupsRequest
 
 
@@ -70,6 +72,11 @@ def parse_groups(body: bytes, content_type: str | None) -> list[GroupRow]:
     """Decode and validate a POST /v1/groups body. ``WireError`` carries the group count in ``.groups``."""
     blobs: list[bytes] | None = None
     obj: Any = None
+    if columns.is_columns(content_type):
+        cols, _ = columns.decode(body)
+        versions = cols.group_versions()
+        return [GroupRow(cols.group_id[g], cols.group_uids(g), versions[g], blob)
+                for g, blob in enumerate(cols.group_blobs())]
     try:
         wire.check_content_type(content_type)
     except wire.WireError as e:

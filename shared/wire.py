@@ -132,8 +132,8 @@ def loc_to_path(loc: tuple[Any, ...] | list[Any]) -> str:
     return out or "<body>"
 
 
-def format_validation_error(e: ValidationError, max_errors: int = 5) -> str:
-    """One line per error (at most ``max_errors``), each starting with the field path."""
+def format_validation_error(e: ValidationError, max_errors: int = 5, prefix: tuple[Any, ...] = ()) -> str:
+    """One line per error (at most ``max_errors``), each starting with the field path (after ``prefix``)."""
     errors = e.errors(include_url=False, include_input=False)
     lines = []
     for err in errors[:max_errors]:
@@ -142,7 +142,7 @@ def format_validation_error(e: ValidationError, max_errors: int = 5) -> str:
             msg = "unknown field"
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        lines.append(f"{loc_to_path(err['loc'])}: {msg}")
+        lines.append(f"{loc_to_path((*prefix, *err['loc']))}: {msg}")
     if len(errors) > max_errors:
         lines.append(f"... and {len(errors) - max_errors} more errors")
     return "; ".join(lines)
