@@ -4,19 +4,20 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 SGLANG_VENV ?= .venv-sglang
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: demo test test-fast venv sglang-venv bench clean
+.PHONY: demo test test-fast venv sglang-venv vllm-venv bench clean
 
 # 1. The demo: the built-in CPU run (model, warm-up, GRPO on arithmetic) with `headrace run`.
 demo: venv
 	$(VENV)/bin/headrace run
 
-# 2. The whole test suite, including the SGLang tier (builds its venv first).
-test: venv sglang-venv
+# 2. The whole test suite, including the SGLang and vLLM tiers (builds their venvs first).
+test: venv sglang-venv vllm-venv
 	CI=$${CI:-} $(PY) -m pytest -q --strict-markers -n 2 --dist loadfile --durations=40 tests
 
 test-fast: venv
-	$(PY) -m pytest -q --strict-markers -m "not slow and not sglang" tests
+	$(PY) -m pytest -q --strict-markers -m "not slow and not sglang and not vllm" tests
 
 venv: $(VENV)/.installed
 
@@ -37,8 +38,14 @@ $(SGLANG_VENV)/.installed: scripts/build_sglang_venv.sh $(wildcard tests/sglang/
 	bash scripts/build_sglang_venv.sh $(SGLANG_VENV)
 	touch $@
 
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: scripts/build_vllm_venv.sh $(wildcard scripts/vllm_ext/pyproject.toml scripts/vllm_ext/headrace_vllm_ext/*.py)
+	bash scripts/build_vllm_venv.sh $(VLLM_VENV)
+	touch $@
+
 bench: venv
 	for b in bench/*_bench.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(SGLANG_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) runs .pytest_cache

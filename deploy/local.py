@@ -275,6 +275,9 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     config_file = save_config(cfg, out_dir / "config.yaml")
     print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}) model={cfg.model}",
           flush=True)
+    if cfg.rollout.mode == "on_demand" and cfg.rollout.engines.backend == "vllm" and not Path("/dev/nvidia0").exists():
+        print("headrace run: vLLM engines on CPU: releasing their memory between phases (vLLM's /sleep) frees "
+              "nothing here (it is GPU-only); engines and trainer share this machine's RAM", flush=True)
     start = time.monotonic()
     code = 0
     with Supervisor(out_dir / "logs", env=token_env(cfg.auth.token)) as sup:

@@ -5,6 +5,9 @@ Backends (``rollout.engines.backend``):
   ``engines.threads``, default 1, and OMP_WAIT_POLICY=PASSIVE: spinning OpenMP threads of several
   processes on a few cores slow each other down 30x);
 - ``sglang``: ``<engines.python> -m sglang.launch_server --model-path M --port P --tp-size T <args>``;
+- ``vllm``: one ``rollout.vllm_backend`` adapter per engine (SGLang's API on the engine's port), which
+  launches ``<engines.python> -m vllm.entrypoints.openai.api_server ... <args>`` on a private port, or
+  attaches to ``engines.urls[i]``; it exits with one line naming the fix when vLLM is unusable;
 - ``external``: the URLs in ``engines.urls``, started elsewhere (never restarted by us).
 
 Guarantees:
@@ -170,6 +173,17 @@ class Fleet:
             if self.cfg.tp > 1:
                 args += ["--tp-size", str(self.cfg.tp)]
             cmd = module_argv(self.cfg.python, "sglang.launch_server", args, self.token)  # --api-key from env
+        elif b == "vllm":   # an SGLang-API adapter (rollout/vllm_backend.py) that launches or attaches to vLLM
+            cmd = [sys.executable, "-m", "headrace.rollout.vllm_backend", "--model", self.model, "--host", self.cfg.host,
+                   "--port", str(port), "--parent-pid", str(os.getpid()),
+                   "--startup-timeout-s", str(self.cfg.startup_timeout_s)]
+            index = next(e.index for e in self.engines if e.port == port)
+            if self.cfg.urls:
+                return cmd + ["--upstream", self.cfg.urls[index]]
+            if not self.cfg.python:
+                raise ValueError("rollout.engines.python: backend vllm needs the python of the vLLM venv "
+                                 "(`make vllm-venv` builds .venv-vllm/bin/python), or vLLM urls to attach to")
+            return cmd + ["--python", self.cfg.python, "--", *self.cfg.args]
         else:
             raise AssertionError(b)
         return cmd + list(self.cfg.args)
@@ -252,7 +266,8 @@ class Fleet:
         else:
             taken: set[int] = set()
             host = advertised_host(self.cfg.host, self.cfg.advertise_host)
-            for i in range(self.cfg.count):
+            count = len(self.cfg.urls) if self.cfg.backend == "vllm" and self.cfg.urls else self.cfg.count
+            for i in range(count):
                 port = self.cfg.base_port + i
                 if port in taken or not await _port_freed(port, self.cfg.host):
                     port = free_port()

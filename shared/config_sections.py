@@ -79,19 +79,23 @@ class EnginesConfig(_Section):
     """The inference engines the rollout service generates with."""
 
     read_by: ClassVar[str] = "rollout"
-    backend: Literal["reference", "sglang", "external"] = Field(
+    backend: Literal["reference", "sglang", "vllm", "external"] = Field(
         default="reference", description="`reference`: launch `headrace engine serve` (CPU); `sglang`: launch "
-                                         "SGLang servers; `external`: attach to `urls` started elsewhere")
+                                         "SGLang servers; `vllm`: launch vLLM 0.32 servers from `python` (or attach "
+                                         "to vLLM `urls`), each behind an SGLang-API adapter; `external`: attach "
+                                         "to `urls` started elsewhere")
     count: int = Field(default=1, ge=1, le=1024, description="engines to launch (reference, sglang); "
                        "`headrace launch` starts run.num_gpus.rollout / tp instead")
     python: str | None = Field(default=None, min_length=1, json_schema_extra=_by("rollout, headrace launch"),
-                               description="python of the SGLang venv (backend sglang, router sglang); "
+                               description="python of the SGLang venv (backend sglang, router sglang) or of "
+                                           "the vLLM venv (backend vllm, e.g. .venv-vllm/bin/python); "
                                            "default this interpreter")
     args: list[str] = Field(default_factory=list, json_schema_extra=_by("rollout, headrace launch"),
                             description="extra command-line arguments of every launched engine")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of launched engines "
                                 "(e.g. SGLANG_USE_CPU_ENGINE: '1')")
-    urls: list[str] = Field(default_factory=list, description="engine URLs (backend external; required there)")
+    urls: list[str] = Field(default_factory=list, description="engine URLs (backend external; required there; "
+                            "backend vllm: attach to these vLLM servers instead of launching)")
     host: str = Field(default="127.0.0.1", min_length=1, description="address launched engines bind to")
     advertise_host: str | None = Field(default=None, min_length=1, description="host in the URLs of launched "
                                        "engines (what the trainer dials for weight sync); default: host, or this "

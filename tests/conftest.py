@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import SGLANG_PYTHON
+from tests.procs import SGLANG_PYTHON, VLLM_PYTHON
 
 
 def _has_cuda() -> bool:
@@ -36,11 +36,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "sglang" in item.keywords and not SGLANG_PYTHON.exists():
             if os.environ.get("CI") != "true":
                 item.add_marker(pytest.mark.skip(reason=f"SGLang venv missing at {SGLANG_PYTHON}; run `make sglang-venv`"))
+        if "vllm" in item.keywords and not VLLM_PYTHON.exists() and os.environ.get("CI") != "true":
+            item.add_marker(pytest.mark.skip(reason=f"vLLM venv missing at {VLLM_PYTHON}; run `make vllm-venv`"))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if "sglang" in item.keywords and not SGLANG_PYTHON.exists():
         pytest.fail(f"CI=true but the SGLang venv is missing at {SGLANG_PYTHON} (make sglang-venv)")
+    if "vllm" in item.keywords and not VLLM_PYTHON.exists():
+        pytest.fail(f"CI=true but the vLLM venv is missing at {VLLM_PYTHON} (make vllm-venv)")
 
 
 @pytest.fixture(autouse=True, scope="session")

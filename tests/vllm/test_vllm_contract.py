@@ -1,0 +1,148 @@
+"""The shared engine contract (tests/engine/engine_contract.py) against a real vLLM 0.32 server on
+CPU, reached through Headrace's SGLang-API adapter (``rollout.vllm_backend``), plus the adapter's
+own guarantees: bad input is one 400 naming the problem, the run token guards every route but
+/health. One vLLM server per module (~3 GB RSS, 30-60 s to start), stopped by pid at the end.
+
+Where vLLM differs, the adapter states it and the contract still holds: ``retract`` pauses map to
+vLLM's ``keep`` (an abort while so paused answers without ``prompt_tokens``, SGLang's shape for a
+request in its waiting queue); /health answers 503 while paused (vLLM's own stays 200).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+
+from tests.engine.engine_contract import EngineContract, generate, post, prompt_ids
+from tests.vllm.support import VLLMEngine
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TOKEN = "vllm-contract-token"
+
+
+@dataclass
+class Engine:
+    url: str
+    model_dir: Path
+
+
+@pytest.fixture(scope="module")
+def vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMEngine]:
+    server = VLLMEngine(tiny_model, tmp_path_factory.mktemp("vllm") / "vllm.log", token=TOKEN).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm: VLLMEngine, tiny_model: Path) -> Iterator[Engine]:
+    # the contract's helpers post without a token: send it as httpx's default for this module
+    original = httpx.Client.__init__
+
+    def with_token(self: httpx.Client, *a: object, **kw: object) -> None:
+        original(self, *a, **kw)
+        self.headers["Authorization"] = f"Bearer {TOKEN}"
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(httpx.Client, "__init__", with_token)
+    try:
+        yield Engine(vllm.url, tiny_model)
+    finally:
+        mp.undo()
+
+
+class TestEngineContract(EngineContract):
+    """The shared SGLang contract, against this module's vLLM server."""
+
+
+def test_seed_min_tokens_and_unknown_keys(engine: Engine) -> None:
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "seed": 7}
+    a = generate(engine, input_ids=prompt_ids(30), sampling_params=sp)["output_ids"]
+    b = generate(engine, input_ids=prompt_ids(30), sampling_params=sp)["output_ids"]
+    assert a == b
+    res = generate(engine, input_ids=prompt_ids(31), sampling_params={"max_new_tokens": 6, "min_new_tokens": 6})
+    assert res["meta_info"]["completion_tokens"] == 6
+    r = post(engine, "/generate", {"input_ids": prompt_ids(32), "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [[1, 2]], "sampling_params": [{}, {}]}, "2 sampling_params for 1 prompts"),
+    ({"sampling_params": {}}, "exactly one of input_ids and text"),
+    ({"input_ids": [1, 2], "rid": 5}, "rid"),
+])
+def test_bad_generate_bodies_are_400_naming_the_problem(engine: Engine, body: dict, words: str) -> None:
+    r = post(engine, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert words in r.json()["error"]["message"]
+
+
+def test_bad_weight_and_pause_bodies(engine: Engine) -> None:
+    r = post(engine, "/pause_generation", {"mode": "sideways"})
+    assert r.status_code == 400 and "mode" in r.json()["error"]["message"]
+    r = post(engine, "/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]})
+    assert r.status_code == 400 and "outside" in r.json()["message"]
+    r = post(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x",
+                                                     "rank_offset": 1, "world_size": 2})
+    assert r.status_code == 400 and "master_port" in r.json()["message"]
+    assert post(engine, "/end_weight_update").status_code == 400
+
+
+def test_token_guards_every_route_but_health(vllm: VLLMEngine) -> None:
+    assert httpx.get(f"{vllm.url}/health", timeout=30).status_code == 200
+    for path in ("/get_model_info", "/flush_cache", "/nonexistent"):
+        r = httpx.post(f"{vllm.url}{path}", json={}, timeout=30)
+        assert r.status_code == 401, (path, r.status_code)
+    r = httpx.post(f"{vllm.url}/generate", json={"input_ids": [1, 2]}, timeout=30,
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+
+# ---- weight sync (runs last in this module: it ends with the base weights back) ----------------
+
+PROMPT = [11, 42, 7, 99, 23, 5, 61, 17]
+
+
+def _sample(url: str, headers: dict) -> tuple[list[int], list[float], str]:
+    r = httpx.post(f"{url}/generate", headers=headers, timeout=120, json={
+        "input_ids": PROMPT, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    return res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]], res["meta_info"]["weight_version"]
+
+
+def test_weight_sync_tied_model_logprobs_match_and_a_failed_update_is_recovered(vllm: VLLMEngine, tiny_model: Path) -> None:
+    from headrace.shared.weight_sync import EngineTarget, WeightSender, WeightSyncError
+    from tests.vllm.weights import max_diff, perturbed, teacher_forced
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    base, new = perturbed(tiny_model, seed=None), perturbed(tiny_model, seed=1)
+    with WeightSender([EngineTarget(vllm.url)], backend="gloo", bucket_bytes=64 << 10, timeout_s=120,
+                      token=TOKEN) as sender:
+        sender.update([(n, t.contiguous()) for n, t in new.state_dict().items()], weight_version=1)
+        ids, lps, version = _sample(vllm.url, headers)
+        assert version == "1"
+        assert max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4      # the tied head is the new one
+        assert max_diff(lps, teacher_forced(base, PROMPT, ids)) > 1e-2
+
+        # a failed update (a tensor vLLM cannot load) leaves version 1 serving, whole
+        bad = [(n, t.contiguous()) for n, t in base.state_dict().items()] + [("model.nowhere.weight", torch.zeros(3))]
+        with pytest.raises(WeightSyncError):
+            sender.update(bad, weight_version=2)
+        ids, lps, version = _sample(vllm.url, headers)
+        assert version == "1" and max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4
+
+        # a full re-push recovers
+        sender.reconnect()
+        sender.update([(n, t.contiguous()) for n, t in base.state_dict().items()], weight_version=2)
+        ids, lps, version = _sample(vllm.url, headers)
+        assert version == "2" and max_diff(lps, teacher_forced(base, PROMPT, ids)) < 1e-4
