@@ -13,7 +13,8 @@
 #     weight-update group with gloo on CPU. Installed here only, never imported by Headrace's venv.
 #
 # Idempotent: a second run with the same recipe reuses the venv (a stamp holding the recipe's
-# hash, plus an import smoke test). Works without stdin (CI=true). Prints time and size.
+# hash, plus an import smoke test); when only the extension changed, only it is reinstalled (a
+# second stamp covers torch + vLLM). Works without stdin (CI=true). Prints time and size.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -58,10 +59,15 @@ pip_install() {
   "$venv/bin/python" -m pip install -q "$@" 2>&1 | { grep -v -e "^WARNING: Location '.*' is ignored" || true; }
 }
 rm -f "$stamp"
-pip_install --upgrade pip
-pip_install "$torch_pkg"
-pip_install "$vllm_pkg" "$torch_pkg"
-"$venv/bin/python" -m pip uninstall -q -y "${remove[@]}" 2>&1 | { grep -v "not installed" || true; }
+base=$(printf '%s\n' "$python" "$torch_pkg" "$vllm_pkg" "${remove[@]}" | sha256sum | cut -c1-16)
+if [[ "$(cat "$venv/.headrace-vllm-base" 2>/dev/null)" != "$base" ]]; then
+  rm -f "$venv/.headrace-vllm-base"
+  pip_install --upgrade pip
+  pip_install "$torch_pkg"
+  pip_install "$vllm_pkg" "$torch_pkg"
+  "$venv/bin/python" -m pip uninstall -q -y "${remove[@]}" 2>&1 | { grep -v "not installed" || true; }
+  echo "$base" > "$venv/.headrace-vllm-base"
+fi
 # build the extension from a copy, so no build/ or egg-info lands in the source tree
 stage=$(mktemp -d)
 cp -r "$ext/pyproject.toml" "$ext/headrace_vllm_ext" "$stage/"
