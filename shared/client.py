@@ -13,6 +13,11 @@ raised at once as ``BufferError`` carrying the status and the server's message. 
   queue when it expires, or at once if the buffer restarted.
 
 Bodies go as msgpack (``msgpack=True``, the default, also asking for msgpack answers) or JSON.
+With ``columns=True`` (the default; needs ``msgpack``) groups travel in the columnar format
+(``shared.columns``) both ways: ``post_groups`` sends columns (rows only when a value cannot be
+carried exactly, so the buffer's row schema names it), and leases are asked for in columns and
+validated with numpy on arrival. ``lease_columns`` returns those columns as they are (no Python
+objects per token); ``lease`` builds ``Group`` models from them without validating again.
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import httpx
 
+from headrace.shared import columns as cols
 from headrace.shared import wire
 from headrace.shared.schemas import BufferStats, Group, LeaseResponse, PostGroupsResponse, Sample
 
-__all__ = ["BufferError", "BufferClient", "AsyncBufferClient"]
+__all__ = ["BufferError", "BufferClient", "AsyncBufferClient", "LeaseColumns"]
 
 
 class BufferError(RuntimeError):
@@ -52,17 +59,41 @@ def _group_payload(groups: Iterable[Group | dict[str, Any]]) -> dict[str, Any]:
     return {"groups": out}
 
 
+@dataclass
+class LeaseColumns:
+    """A lease answered in columns: validated on arrival (``shared.columns.decode``)."""
+
+    lease_id: str
+    columns: cols.Columns
+    expires_at: float
+
+    @property
+    def num_groups(self) -> int:
+        return self.columns.num_groups
+
+
 def _lease_result(out: Any, validate: bool) -> LeaseResponse | None:
     """A lease answer as models; ``validate=False`` trusts the buffer (it validated every group on
-    ingest) and skips the second validation, ~2x faster for large groups."""
+    ingest) and skips the second validation, ~2x faster for large groups. A columnar answer was
+    validated when it was decoded: its models are built without validating again."""
     if out is None:
         return None
+    if isinstance(out, LeaseColumns):
+        return LeaseResponse.model_construct(lease_id=out.lease_id, groups=out.columns.to_groups(),
+                                             expires_at=out.expires_at)
     if validate:
         return LeaseResponse.model_validate(out)
     groups = [Group.model_construct(group_id=g["group_id"], metadata=g.get("metadata") or {},
                                     samples=[Sample.model_construct(**s) for s in g["samples"]])
               for g in out["groups"]]
     return LeaseResponse.model_construct(lease_id=out["lease_id"], groups=groups, expires_at=out["expires_at"])
+
+
+def _as_columns(out: Any) -> LeaseColumns | None:
+    if out is None or isinstance(out, LeaseColumns):
+        return out
+    rows = LeaseResponse.model_validate(out)  # the buffer answered rows (columns cannot carry them exactly)
+    return LeaseColumns(rows.lease_id, cols.from_rows(rows.groups), rows.expires_at)
 
 
 def _extend_body(lease_s: float, trained: bool) -> dict[str, Any]:
@@ -101,7 +132,8 @@ def _message(resp: httpx.Response) -> str:
 
 class _Base:
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
-                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True,
+                 columns: bool = True) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0 (got {retries})")
         self.url = url.rstrip("/")
@@ -110,9 +142,11 @@ class _Base:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.msgpack = msgpack
+        self.columns = columns and msgpack
         self.headers = {"accept": wire.MSGPACK if msgpack else wire.JSON}
         if token:
             self.headers["authorization"] = f"Bearer {token}"
+        self.lease_headers = {**self.headers, "accept": f"{cols.COLUMNS}, {wire.MSGPACK}"} if self.columns else None
 
     def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
         if resp is not None and resp.status_code == 429:
@@ -122,11 +156,22 @@ class _Base:
         base = min(self.max_backoff_s, self.backoff_s * (2 ** attempt))
         return base * (0.5 + random.random() / 2)
 
-    def _prepare(self, body: Any) -> tuple[bytes | None, dict[str, str]]:
+    def _prepare(self, body: Any, headers: dict[str, str] | None = None) -> tuple[bytes | None, dict[str, str]]:
+        headers = headers or self.headers
         if body is None:
-            return None, self.headers
+            return None, headers
+        if isinstance(body, bytes):  # already columns
+            return body, {**headers, "content-type": cols.COLUMNS}
         content, ctype = wire.encode_request(body, self.msgpack)
-        return content, {**self.headers, "content-type": ctype}
+        return content, {**headers, "content-type": ctype}
+
+    def _groups_body(self, groups: list[Group | dict[str, Any]]) -> Any:
+        if self.columns:
+            try:
+                return cols.encode(groups)
+            except cols.NotColumnar:
+                pass  # sent as rows: the buffer's row schema names what is wrong
+        return _group_payload(groups)
 
     @staticmethod
     def _should_retry(resp: httpx.Response) -> bool:
@@ -138,6 +183,9 @@ class _Base:
             raise BufferError(resp.status_code, _message(resp), method, path)
         if resp.status_code == 204 or not resp.content:
             return None
+        if cols.is_columns(resp.headers.get("content-type")):
+            c, top = cols.decode(resp.content, ("lease_id", "expires_at"))
+            return LeaseColumns(str(top.get("lease_id")), c, float(top.get("expires_at", 0.0)))
         return wire.decode_answer(resp.content, resp.headers.get("content-type"))
 
     @staticmethod
@@ -149,12 +197,14 @@ class BufferClient(_Base):
     """Synchronous buffer client (httpx). Use as a context manager or call ``close()``."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
-                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
-        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack)
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True,
+                 columns: bool = True) -> None:
+        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack, columns)
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
 
-    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        content, headers = self._prepare(body)
+    def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                 headers: dict[str, str] | None = None) -> Any:
+        content, headers = self._prepare(body, headers)
         last = ""
         for attempt in range(self.retries + 1):
             resp = None
@@ -179,7 +229,7 @@ class BufferClient(_Base):
 
     def post_groups(self, groups: list[Group | dict[str, Any]]) -> PostGroupsResponse:
         """Store groups (all or nothing); committed when this returns."""
-        return PostGroupsResponse.model_validate(self._request("POST", "/v1/groups", _group_payload(groups)))
+        return PostGroupsResponse.model_validate(self._request("POST", "/v1/groups", self._groups_body(groups)))
 
     def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
               min_weight_version: int | None = None, validate: bool = True) -> LeaseResponse | None:
@@ -189,8 +239,15 @@ class BufferClient(_Base):
         them on ingest); use it on a hot path that trusts its buffer.
         """
         out = self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
-                            timeout=self.timeout + wait_s)
+                            timeout=self.timeout + wait_s, headers=self.lease_headers)
         return _lease_result(out, validate)
+
+    def lease_columns(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
+                      min_weight_version: int | None = None) -> LeaseColumns | None:
+        """``lease``, answered as validated columns (numpy arrays, no Python object per token)."""
+        out = self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
+                            timeout=self.timeout + wait_s, headers=self.lease_headers)
+        return _as_columns(out)
 
     def ack(self, lease_id: str) -> None:
         """Mark the lease's groups consumed (durable; idempotent). 409 if it expired, 404 if unknown."""
@@ -245,12 +302,14 @@ class AsyncBufferClient(_Base):
     """Asyncio buffer client (httpx). Use as an async context manager or ``await close()``."""
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 30.0, retries: int = 8,
-                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True) -> None:
-        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack)
+                 backoff_s: float = 0.2, max_backoff_s: float = 10.0, msgpack: bool = True,
+                 columns: bool = True) -> None:
+        super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack, columns)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout)
 
-    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
-        content, headers = self._prepare(body)
+    async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        content, headers = self._prepare(body, headers)
         last = ""
         for attempt in range(self.retries + 1):
             resp = None
@@ -273,13 +332,19 @@ class AsyncBufferClient(_Base):
             return False
 
     async def post_groups(self, groups: list[Group | dict[str, Any]]) -> PostGroupsResponse:
-        return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", _group_payload(groups)))
+        return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", self._groups_body(groups)))
 
     async def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
                     min_weight_version: int | None = None, validate: bool = True) -> LeaseResponse | None:
         out = await self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
-                                  timeout=self.timeout + wait_s)
+                                  timeout=self.timeout + wait_s, headers=self.lease_headers)
         return _lease_result(out, validate)
+
+    async def lease_columns(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
+                            min_weight_version: int | None = None) -> LeaseColumns | None:
+        out = await self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),
+                                  timeout=self.timeout + wait_s, headers=self.lease_headers)
+        return _as_columns(out)
 
     async def ack(self, lease_id: str) -> None:
         await self._request("POST", f"/v1/leases/{lease_id}/ack")
