@@ -176,8 +176,8 @@ class Columns:
                 gc.enable()
 
 
-def _bin(a: np.ndarray, dtype: str) -> bytes:
-    return np.ascontiguousarray(a, dtype=dtype).tobytes()
+def _bin(a: np.ndarray, dtype: str) -> memoryview:
+    return memoryview(np.ascontiguousarray(a, dtype=dtype)).cast("B")  # msgpack writes it as bin, no copy
 
 
 # ---- rows -> columns ---------------------------------------------------------------------------
@@ -376,17 +376,20 @@ def validate(cols: Columns) -> None:
         for k in ("loss_mask", "rollout_logprobs"):
             if len(getattr(cols, k)) != R:
                 raise _err(f"samples.{k}: {len(getattr(cols, k))} entries, but the response lengths sum to {R}", G)
-        sample_of_resp = np.repeat(np.arange(S), rl)
-        sample_of_token = np.repeat(np.arange(S), lengths)
-        bad[sample_of_token[cols.tokens < 0]] = True
-        bad[sample_of_resp[cols.loss_mask > 1]] = True
+        ro = cols.response_offsets()
+        bad[_owners(cols.token_offsets, cols.tokens < 0)] = True
+        bad[_owners(ro, cols.loss_mask > 1)] = True
         lp = cols.rollout_logprobs
         with np.errstate(invalid="ignore"):
             lp_bad = ~np.isfinite(lp) | (lp > 0)
         has = cols.has_logprobs.astype(bool)
-        bad[sample_of_resp[lp_bad & np.repeat(has, rl)]] = True
         column_only = cols.has_logprobs > 1
-        column_only[sample_of_resp[(lp != 0) & np.repeat(~has, rl)]] = True
+        if has.all():  # the common case: no per-token repeat of the flags
+            bad[_owners(ro, lp_bad)] = True
+        else:
+            has_r = np.repeat(has, rl)
+            bad[_owners(ro, lp_bad & has_r)] = True
+            column_only[_owners(ro, (lp != 0) & ~has_r)] = True
     else:
         column_only = np.zeros(S, dtype=bool)
     failed = np.array([st == SampleStatus.failed.value for st in cols.status], dtype=bool)
@@ -410,6 +413,12 @@ def validate(cols: Columns) -> None:
         return
     g = min(bad_groups)
     raise _err(_row_message(cols, g, column_only), G)
+
+
+def _owners(offsets: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    """The samples owning the flagged items of a flat column cut by ``offsets``."""
+    hits = np.flatnonzero(flags)
+    return np.searchsorted(offsets, hits, side="right") - 1 if hits.size else hits
 
 
 def _plain_sample(cols: Columns, j: int) -> bool:
@@ -465,7 +474,7 @@ def merge(blobs: Sequence[bytes]) -> Columns:
         return parts[0]
 
     def cat(name: str) -> np.ndarray:
-        return np.concatenate([getattr(p, name) for p in parts])
+        return np.frombuffer(b"".join([memoryview(getattr(p, name)).cast("B") for p in parts]), SAMPLE_BINS[name])
 
     def offsets(name: str) -> np.ndarray:
         arrays, base = [np.zeros(1, dtype=np.int64)], 0
