@@ -446,15 +446,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         upstream = a.upstream
-    adapter = Adapter(upstream, a.model, token, _tokenizer(a.model))
+    adapter = Adapter(upstream, a.model, token)
     why = asyncio.run(adapter.check_upstream())
-    adapter.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), headers=bearer_headers(token),
-                                     limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
     if why:
         print(f"vllm adapter: {why}", file=sys.stderr)
         if proc is not None:
             proc.terminate()
         return 2
+    adapter.tokenizer = _tokenizer(a.model)   # after the check: importing transformers takes seconds
+    adapter.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), headers=bearer_headers(token),
+                                     limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
     if a.parent_pid:
         watch_parent(a.parent_pid)
     try:
