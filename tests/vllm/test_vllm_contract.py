@@ -96,14 +96,24 @@ def test_bad_weight_and_pause_bodies(engine: Engine) -> None:
     assert post(engine, "/end_weight_update").status_code == 400
 
 
+def _status(url: str, headers: dict[str, str]) -> int:
+    """POST {} with exactly ``headers`` (urllib: the module's httpx clients carry the token)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 def test_token_guards_every_route_but_health(vllm: VLLMEngine) -> None:
     assert httpx.get(f"{vllm.url}/health", timeout=30).status_code == 200
-    for path in ("/get_model_info", "/flush_cache", "/nonexistent"):
-        r = httpx.post(f"{vllm.url}{path}", json={}, timeout=30)
-        assert r.status_code == 401, (path, r.status_code)
-    r = httpx.post(f"{vllm.url}/generate", json={"input_ids": [1, 2]}, timeout=30,
-                   headers={"Authorization": "Bearer wrong"})
-    assert r.status_code == 401
+    for path in ("/get_model_info", "/flush_cache", "/generate", "/update_weights_from_distributed", "/nonexistent"):
+        assert _status(f"{vllm.url}{path}", {}) == 401, path
+    assert _status(f"{vllm.url}/generate", {"Authorization": "Bearer wrong"}) == 401
 
 
 # ---- weight sync (runs last in this module: it ends with the base weights back) ----------------
