@@ -1,4 +1,8 @@
-"""Reference engine vs ``transformers`` generate(): tokens/s at 64 concurrent requests, same model.
+"""Engines vs ``transformers`` generate(): tokens/s at 64 concurrent requests, same model.
+
+Engines: the reference engine, vLLM 0.32 on CPU (through Headrace's SGLang-API adapter, as the
+rollout service sees it) where ``.venv-vllm`` exists, and SGLang 0.5.23 on CPU where
+``.venv-sglang`` exists; each is reported as a ratio to ``transformers`` in the same rounds.
 
 Both sides use the same model directory (default preset qwen2-5m, written offline), the same 64
 prompts, 128 new tokens each (EOS ignored: ``ignore_eos`` for the engine,
@@ -9,8 +13,9 @@ process. Rounds alternate between the two (the machine may be shared: adjacent r
 load); the ratio of the medians and the median of the per-round ratios are printed.
 
     python bench/engine_bench.py [--preset qwen2-5m] [--batch 64] [--new-tokens 128] [--threads 1]
+                                 [--engines reference,vllm,sglang]
 
-Prints the tokens/s of each and the ratio engine / HF (target >= 1.0).
+Prints the tokens/s of each and the ratio engine / HF (target >= 1.0 for the reference engine).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 import torch  # noqa: E402
 
-from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
+from tests.procs import SGLANG_PYTHON, VLLM_PYTHON, Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 
 def hf_run(model, prompts: torch.Tensor, new_tokens: int) -> tuple[int, float]:
@@ -78,6 +83,27 @@ async def engine_run(port: int, prompts: list[list[int]], new_tokens: int) -> tu
     return produced, dt
 
 
+def start_engine(kind: str, model_dir: Path, tmp: Path, threads: int) -> tuple[Proc | object, int]:
+    """Start one engine serving SGLang's API; (handle with .stop(), port)."""
+    if kind == "reference":
+        port = free_port()
+        proc = Proc(headrace_cmd("engine", "serve", "--model", str(model_dir), "--port", str(port),
+                                 "--threads", str(threads)), tmp / "engine.log", env=child_env(threads=threads))
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=120)
+        return proc, port
+    if kind == "vllm":
+        from tests.vllm.support import VLLMEngine
+
+        eng = VLLMEngine(model_dir, tmp / "vllm.log").start()
+        return eng, eng.port
+    if kind == "sglang":
+        from tests.sglang.sglang_cpu.server import SGLangServer
+
+        srv = SGLangServer(model_dir, tmp / "sglang.log").start()
+        return srv, srv.port
+    raise SystemExit(f"unknown engine {kind!r} (reference, vllm, sglang)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen2-5m")
@@ -87,6 +113,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
+    default = ["reference"] + [k for k, py in (("vllm", VLLM_PYTHON), ("sglang", SGLANG_PYTHON)) if py.exists()]
+    ap.add_argument("--engines", default=",".join(default), help="comma-separated: reference, vllm, sglang")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -105,31 +133,31 @@ def main() -> None:
     prompts = torch.randint(3, min(vocab, 500), (args.batch, args.prompt_len), generator=g)
     n_params = sum(p.numel() for p in hf.parameters())
 
-    port = free_port()
-    proc = Proc(headrace_cmd("engine", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--threads", str(args.threads)),
-                Path(tmp.name) / "engine.log", env=child_env(threads=args.threads))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_http(f"{url}/health", timeout=120)
-        asyncio.run(engine_run(port, prompts[:4].tolist(), 8))   # warm-up
-        hf_run(hf, prompts[:4], 8)
-        eng, ref = [], []
-        for _ in range(args.rounds):
-            n, dt = asyncio.run(engine_run(port, prompts.tolist(), args.new_tokens))
-            eng.append(n / dt)
-            n, dt = hf_run(hf, prompts, args.new_tokens)
-            ref.append(n / dt)
-    finally:
-        proc.stop()
-        tmp.cleanup()
-    e, h = statistics.median(eng), statistics.median(ref)
-    paired = statistics.median(a / b for a, b in zip(eng, ref))
     print(f"model {args.model or args.preset} ({n_params / 1e6:.1f}M params), batch {args.batch} x "
-          f"{args.new_tokens} new tokens, prompt {args.prompt_len}, torch threads {args.threads}")
-    print(f"reference engine (HTTP, {args.batch} concurrent requests): {e:8.0f} tokens/s   rounds {[round(x) for x in eng]}")
-    print(f"transformers generate() (one batch of {args.batch}):       {h:8.0f} tokens/s   rounds {[round(x) for x in ref]}")
-    print(f"ratio engine / HF: {e / h:.2f}x of medians, {paired:.2f}x median of paired rounds (target >= 1.0)")
+          f"{args.new_tokens} new tokens, prompt {args.prompt_len}, torch threads {args.threads}", flush=True)
+    try:
+        for kind in args.engines.split(","):
+            handle, port = start_engine(kind, model_dir, Path(tmp.name), args.threads)
+            try:
+                asyncio.run(engine_run(port, prompts[:4].tolist(), 8))   # warm-up
+                hf_run(hf, prompts[:4], 8)
+                eng, ref = [], []
+                for _ in range(args.rounds):
+                    n, dt = asyncio.run(engine_run(port, prompts.tolist(), args.new_tokens))
+                    eng.append(n / dt)
+                    n, dt = hf_run(hf, prompts, args.new_tokens)
+                    ref.append(n / dt)
+            finally:
+                handle.stop()
+            e, h = statistics.median(eng), statistics.median(ref)
+            paired = statistics.median(a / b for a, b in zip(eng, ref))
+            print(f"{kind + ' engine':18s} (HTTP, {args.batch} concurrent requests): {e:8.0f} tokens/s   "
+                  f"rounds {[round(x) for x in eng]}")
+            print(f"{'transformers':18s} generate() (one batch of {args.batch}):   {h:8.0f} tokens/s   "
+                  f"rounds {[round(x) for x in ref]}")
+            print(f"ratio {kind} / HF: {e / h:.2f}x of medians, {paired:.2f}x median of paired rounds", flush=True)
+    finally:
+        tmp.cleanup()
 
 
 if __name__ == "__main__":
