@@ -63,6 +63,7 @@ SAMPLING_KEYS: dict[str, str | None] = {
     "repetition_penalty": "repetition_penalty", "skip_special_tokens": None, "no_stop_trim": None,
     "spaces_between_special_tokens": None,
 }
+GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "lora_path"}
 MAX_BATCH = 1024
 MAX_BODY = 64 << 20
 
@@ -195,6 +196,12 @@ class Adapter:
     async def generate(self, body: dict[str, Any]) -> Any:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        unknown = sorted(set(body) - GENERATE_KEYS)
+        if unknown:
+            raise BadRequest(f"unsupported /generate key(s) {unknown} for a vLLM engine (supported: {sorted(GENERATE_KEYS)})")
+        lora = body.get("lora_path")
+        if lora is not None and (not isinstance(lora, str) or not lora):
+            raise BadRequest("lora_path must be the name of a loaded adapter (a non-empty string)")
         prompts, single = self._prompts(body)
         sps = body.get("sampling_params") or {}
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
@@ -211,17 +218,18 @@ class Adapter:
         while not (self.open.is_set() and self.weights_ready.is_set()):
             await self.open.wait()
             await self.weights_ready.wait()
-        outs = await asyncio.gather(*(self._one(p, sp, rids[i] if rids else uuid.uuid4().hex, logprob)
+        outs = await asyncio.gather(*(self._one(p, sp, rids[i] if rids else uuid.uuid4().hex, logprob, lora)
                                       for i, (p, sp) in enumerate(zip(prompts, params))))
         flat = [r for rs in outs for r in rs]
         return flat[0] if single and len(flat) == 1 else flat
 
-    async def _one(self, prompt: list[int], sp: dict[str, Any], rid: str, logprob: bool) -> list[dict[str, Any]]:
+    async def _one(self, prompt: list[int], sp: dict[str, Any], rid: str, logprob: bool,
+                   lora: str | None = None) -> list[dict[str, Any]]:
         req_id = f"{rid}-{uuid.uuid4().hex[:8]}"
         self.in_flight[rid] = req_id
         try:
             r = await self.call("POST", "/inference/v1/generate", json={
-                "request_id": req_id, "token_ids": prompt, "sampling_params": sp, "model": self.model,
+                "request_id": req_id, "token_ids": prompt, "sampling_params": sp, "model": lora or self.model,
                 "output_mode": "tokens"})
         finally:
             if self.in_flight.get(rid) == req_id:

@@ -20,6 +20,10 @@ One session state machine, used by every route:
   whose last bucket (the one carrying ``weight_version``) never arrived is discarded at ``end``.
 - A failed bucket clears the staging area; the session stays open (no generation) until the
   trainer's full re-push, whose ``end`` ends it.
+LoRA (``trainer.lora_sync: adapter``): ``/load_lora_adapter`` and ``/unload_lora_adapter`` map to
+vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM needs ``--enable-lora`` in
+``engines.args`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``, which the adapter sets); ``lora_path``
+in ``/generate`` becomes the request's ``model``.
 Errors are ``{"success": false, "message"}`` with 400 (protocol misuse) or 500 (the worker failed).
 """
 
@@ -38,6 +42,13 @@ RPC_TIMEOUT_S = 600.0
 
 def _fail(message: str, status: int) -> JSONResponse:
     return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+def _answer(r: Any) -> JSONResponse:
+    """SGLang's ``{"success", "message"}`` for a vLLM answer (400 when vLLM refused)."""
+    if r.status_code == 200:
+        return JSONResponse({"success": True, "message": r.text[:500]})
+    return _fail(f"vLLM answered {r.status_code}: {r.text[:500]}", 400)
 
 
 class WeightSession:
@@ -129,6 +140,22 @@ def add_weight_routes(app: FastAPI, adapter: Any, body_of: Callable[[Request], A
             adapter.weights_ready.set()
         return {"success": True, "message": "applied" if version is not None else "incomplete update discarded",
                 "weight_version": adapter.weight_version}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora(request: Request) -> Any:
+        body = await body_of(request)
+        if not (isinstance(body, dict) and isinstance(body.get("lora_name"), str) and isinstance(body.get("lora_path"), str)):
+            return _fail("give lora_name and lora_path (strings)", 400)
+        r = await adapter.call("POST", "/v1/load_lora_adapter", json={"lora_name": body["lora_name"],
+                                                                       "lora_path": body["lora_path"]})
+        return _answer(r)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Any:
+        body = await body_of(request)
+        if not (isinstance(body, dict) and isinstance(body.get("lora_name"), str)):
+            return _fail("give lora_name (a string)", 400)
+        return _answer(await adapter.call("POST", "/v1/unload_lora_adapter", json={"lora_name": body["lora_name"]}))
 
     @app.get("/get_weight_version")
     async def get_version() -> Any:

@@ -78,6 +78,8 @@ def test_seed_min_tokens_and_unknown_keys(engine: Engine) -> None:
     ({"input_ids": [[1, 2]], "sampling_params": [{}, {}]}, "2 sampling_params for 1 prompts"),
     ({"sampling_params": {}}, "exactly one of input_ids and text"),
     ({"input_ids": [1, 2], "rid": 5}, "rid"),
+    ({"input_ids": [1, 2], "stream": True}, "unsupported /generate key(s) ['stream']"),
+    ({"input_ids": [1, 2], "lora_path": 5}, "lora_path"),
 ])
 def test_bad_generate_bodies_are_400_naming_the_problem(engine: Engine, body: dict, words: str) -> None:
     r = post(engine, "/generate", body)
