@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgpack
@@ -88,6 +89,38 @@ def post_all(client: httpx.Client, url: str, bodies: list[bytes], ctype: str = "
     return sum(map(len, bodies)) / (time.perf_counter() - t0)
 
 
+def codec_costs(rng: np.random.Generator, per_request: int, lease_groups: int, reps: int = 3) -> None:
+    """In this process, back to back (so load hits both alike): what the buffer does with one
+    request body and what the trainer does with one lease answer, rows vs columns; medians."""
+    from headrace.buffer.ingest import parse_groups
+    from headrace.shared.schemas import LeaseResponse
+
+    def med(fn: Any) -> float:
+        xs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            xs.append(time.perf_counter() - t0)
+        return statistics.median(xs) * 1000
+
+    rows_body = make_bodies(rng, "codec", 1, per_request)[0]
+    cols_body = make_bodies(rng, "codec", 1, per_request, True)[0]
+    r_ms = med(lambda: parse_groups(rows_body, "application/msgpack"))
+    c_ms = med(lambda: parse_groups(cols_body, columns.COLUMNS))
+    print(f"ingest parse of one request ({per_request} groups), in process: rows {r_ms:.1f} ms, columns {c_ms:.1f} ms "
+          f"({r_ms / c_ms:.1f}x)")
+    groups = [g for b in make_bodies(rng, "lease", -(-lease_groups // per_request), per_request)
+              for g in msgpack.unpackb(b)["groups"]][:lease_groups]
+    rows_answer = msgpack.packb({"lease_id": "x", "groups": groups, "expires_at": 0.0})
+    cols_answer = columns.from_rows(groups).pack({"lease_id": "x", "expires_at": 0.0})
+    extra = ("lease_id", "expires_at")
+    r_ms = med(lambda: LeaseResponse.model_validate(msgpack.unpackb(rows_answer)))
+    c_ms = med(lambda: columns.decode(cols_answer, extra))
+    m_ms = med(lambda: columns.decode(cols_answer, extra)[0].to_groups())
+    print(f"lease answer of {lease_groups} groups decoded + validated, in process: rows -> models {r_ms:.0f} ms, "
+          f"columns {c_ms:.0f} ms ({r_ms / c_ms:.0f}x), columns -> models {m_ms:.0f} ms ({r_ms / m_ms:.1f}x)", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -104,6 +137,7 @@ def main() -> int:
         return 0
 
     rng = np.random.default_rng(0)
+    codec_costs(rng, args.groups_per_request, args.lease_groups)
     tmp = Path(tempfile.mkdtemp(prefix="buffer-bench-"))
     bare_port, buf_port = free_port(), free_port()
     bare = Proc([sys.executable, __file__, "--bare-server", str(bare_port)], tmp / "bare.log", env=child_env())
