@@ -106,6 +106,7 @@ class RolloutService:
         if rc.agent and rc.generate:
             raise ValueError("rollout.agent and rollout.generate are both set: an agent replaces the generator")
         self.agent_fn = load_agent(rc.agent) if rc.agent else None
+        self.app: Any = None   # the ASGI app (create_app): in-service agents' calls are served through it
         self.filter_fn = load_filter(rc.filter)
         self.state_path = cfg.resolved_path(rc.state_path, "rollout_state.json")
         self.data = DataSource(rc.data, self.state_path)
@@ -140,7 +141,7 @@ class RolloutService:
         self.loop = RolloutLoop(self.cfg, self.data, self.engine, self.tokenizer, self.generate_fn,
                                 self.reward_fn, self.filter_fn, self.buffer, self.run_id, self.http)
         self.gateway = Gateway(self.cfg, self.engine, self.tokenizer, self.reward_fn, self.loop.pusher.push,
-                               self.run_id, self.http, self.agent_fn)
+                               self.run_id, self.http, self.agent_fn, app=self.app)
         self.loop.agent = self.gateway.agent
         self.gateway.start()
         # A restarted service must tag samples with the version its engines hold (a trainer may have
@@ -259,6 +260,7 @@ def create_app(cfg: HeadraceConfig) -> FastAPI:
 
     app = FastAPI(title="headrace rollout", lifespan=lifespan)
     app.state.service = svc
+    svc.app = app
     # 401 without the run token on every endpoint but /health (and /openai/, where episode keys are checked)
     gateway_routes.protect(app, cfg.auth)
     gateway_routes.mount(app, lambda: svc.gateway)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from headrace.rollout.gateway.episodes import group_samples
+from headrace.rollout.gateway.inproc import AppTransport, http_library, shared_client_class
 from headrace.shared.plugins import load_plugin
 from headrace.shared.schemas import Sample
 
@@ -62,21 +63,33 @@ def load_agent(spec: str) -> AgentFn:
 class AgentRunner:
     """Runs the agent for one prompt slot: n episodes at once, their samples as one list."""
 
-    def __init__(self, fn: AgentFn, store: "EpisodeStore", base_url: str, config: Any, n: int) -> None:
+    def __init__(self, fn: AgentFn, store: "EpisodeStore", base_url: str, config: Any, n: int,
+                 app: Any = None) -> None:
         self.fn = fn
         self.store = store
-        self.base_url = base_url.rstrip("/") + "/openai/v1"
+        self.origin = base_url.rstrip("/")
+        self.base_url = self.origin + "/openai/v1"
         self.config = config
         self.n = n
+        self.app = app
         self._ssl: Any = None
+        self._shared: Any = None
 
     def _client(self, key: str) -> tuple[Any, Any]:
-        """An OpenAI client for one episode, on its own connection pool (closed with the episode):
-        httpcore scans every pooled connection on each request, so one pool shared by all episodes
-        costs O(episodes) per call."""
+        """An OpenAI client for one episode (closed with the episode). With the service's ASGI app
+        (``app``), its requests are served in-process (``inproc.AppTransport``: no socket, same app);
+        without, over loopback on its own connection pool: httpcore scans every pooled connection on
+        each request, so one pool shared by all episodes costs O(episodes) per call."""
         import httpx
         import openai
 
+        if self.app is not None:   # no connections to hold: one HTTP client serves every episode
+            if self._shared is None:
+                http = http_library()
+                self._shared = shared_client_class(http)(transport=AppTransport(self.app, self.origin, http),
+                                                         trust_env=False, timeout=http.Timeout(None, connect=60.0))
+            return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, http_client=self._shared,
+                                      max_retries=0), None
         if self._ssl is None:
             self._ssl = httpx.create_ssl_context()   # built once: loading CA certificates costs ms
         # keep-alive expiry below uvicorn's 5 s: a connection the server is closing is never reused
@@ -116,9 +129,13 @@ class AgentRunner:
                 error = f"agent must return a finite float or None, got {type(out).__name__} {str(out)[:40]}"
             reward = None if out is None or error else float(out)
         ended.cancel()
-        await http.aclose()
+        if http is not None:
+            await http.aclose()
         await self.store.finish(ep, reward=reward, error=error)
         return ep.samples
 
     async def close(self) -> None:
-        """Nothing to release: each episode's client is closed with its episode."""
+        """Close the in-process HTTP client (a loopback episode's client is closed with its episode)."""
+        if self._shared is not None:
+            await self._shared.close_shared()
+            self._shared = None

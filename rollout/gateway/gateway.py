@@ -17,6 +17,7 @@ from headrace.rollout.gateway.episodes import EpisodeContext, EpisodeStore
 from headrace.rollout.generate import EngineClient
 from headrace.rollout.rewards import RewardFn
 from headrace.shared.config import HeadraceConfig
+from headrace.shared.serving import BodyLimit
 
 log = logging.getLogger("headrace.rollout.gateway")
 
@@ -29,7 +30,9 @@ def local_url(host: str, port: int) -> str:
 
 class Gateway:
     def __init__(self, cfg: HeadraceConfig, engine: EngineClient, tokenizer: Any, reward_fn: RewardFn,
-                 push: Any, run_id: str, http: Any, agent_fn: AgentFn | None = None) -> None:
+                 push: Any, run_id: str, http: Any, agent_fn: AgentFn | None = None, app: Any = None) -> None:
+        """``app``: the service's ASGI app; in-service agents' calls are then served in-process
+        through it, behind the same body limit as the socket (``inproc.AppTransport``)."""
         rc = cfg.rollout
         self.model_name = rc.gateway.model_name or Path(cfg.model).name
         plugin_log = logging.getLogger("headrace.rollout.plugin")
@@ -40,8 +43,9 @@ class Gateway:
         self.store = EpisodeStore(tokenizer, reward_fn, ctx, push, run_id, rc.gateway.episode_timeout_s,
                                   rc.reward_timeout_s, lambda: engine.gate.version)
         self.calls = Calls(rc, engine, tokenizer, self.store, self.model_name)
+        limited = BodyLimit(app, int(rc.max_body_mb * 1024 * 1024), "rollout.max_body_mb") if app else None
         self.agent = AgentRunner(agent_fn, self.store, local_url(rc.host, rc.port), rc,
-                                 rc.n_samples_per_prompt) if agent_fn else None
+                                 rc.n_samples_per_prompt, limited) if agent_fn else None
 
     def start(self) -> None:
         self.store.start()
