@@ -40,6 +40,7 @@ class Segment:
     history: list[dict[str, Any]] = field(default_factory=list)   # template messages incl. the answer
     history_key: list[Any] = field(default_factory=list)          # normalized(history)
     tools: list[dict[str, Any]] | None = None
+    rendered: str | None = None           # the last chat call's prompt as rendered: render(history[:-1], gen.)
     last_ids: list[int] = field(default_factory=list)             # the last completion's ids
     calls: int = 0
 
@@ -101,17 +102,21 @@ class Recorder:
     def chat(self, seg: Segment | None, msgs: list[dict[str, Any]], key: list[Any],
              tools: list[dict[str, Any]] | None) -> "Plan":
         """How a chat call with ``msgs`` extends ``seg`` (the episode's current segment), or breaks it."""
+        full: str | None = None
         if seg is not None and seg.kind == "chat" and seg.tools == tools and key[: len(seg.history_key)] == seg.history_key:
             done = self.render(seg.history, tools, False)
             full = self.render(msgs, tools, True)
             if full.startswith(done):
-                return Plan(seg, self.encode(self._close_turn(seg, done) + full[len(done):]))
-        ids = self.encode(self.render(msgs, tools, True))
-        return Plan(Segment(tokens=ids, prompt_length=len(ids), kind="chat", tools=tools), [], seg is not None)
+                return Plan(seg, self.encode(self._close_turn(seg, done) + full[len(done):]), rendered=full)
+        full = full if full is not None else self.render(msgs, tools, True)
+        ids = self.encode(full)
+        return Plan(Segment(tokens=ids, prompt_length=len(ids), kind="chat", tools=tools), [], seg is not None,
+                    rendered=full)
 
     def _close_turn(self, seg: Segment, done: str) -> str:
         """The rest of the assistant turn that the completion's own tokens did not write."""
-        before = self.render(seg.history[:-1], seg.tools, True)
+        # the previous call's rendered prompt (history[:-1] are its messages): not rendered again
+        before = seg.rendered if seg.rendered is not None else self.render(seg.history[:-1], seg.tools, True)
         generated = self.tok.decode(seg.last_ids, skip_special_tokens=False)
         if done.startswith(before) and done[len(before):].startswith(generated):
             return done[len(before) + len(generated):]
@@ -142,6 +147,7 @@ class Plan:
     segment: Segment
     context: list[int]            # ids appended before the completion (loss_mask 0)
     broke: bool = False           # a new segment replaces a current one that could not be continued
+    rendered: str | None = None   # a chat call's rendered prompt (kept on the segment once committed)
 
     @property
     def is_new(self) -> bool:
@@ -154,3 +160,4 @@ class Plan:
     def commit(self, ids: list[int], logprobs: list[float], version: int | None, finish: str) -> None:
         self.segment.add_context(self.context)
         self.segment.add_completion(ids, logprobs, version, finish)
+        self.segment.rendered = self.rendered

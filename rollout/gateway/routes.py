@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
@@ -108,15 +109,18 @@ def mount(app: FastAPI, gateway: "Any") -> None:
         if req.stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(chunks(answer, usage), media_type="text/event-stream")
-        return JSONResponse(answer)
+        return Response(orjson.dumps(answer), media_type="application/json")
 
-    @app.post("/openai/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await _openai(request, ChatRequest, lambda calls: calls.chat, chat_chunks)
 
-    @app.post("/openai/v1/completions")
     async def completions(request: Request) -> Response:
         return await _openai(request, CompletionRequest, lambda calls: calls.completion, completion_chunks)
+
+    # plain Starlette routes: they read and validate their body themselves (``parse``), so FastAPI's
+    # per-request dependency solving and response encoding would be pure overhead on the hot path
+    app.add_route("/openai/v1/chat/completions", chat, methods=["POST"])
+    app.add_route("/openai/v1/completions", completions, methods=["POST"])
 
     def _model(g: "Gateway") -> dict[str, Any]:
         return {"id": g.model_name, "object": "model", "created": 0, "owned_by": "headrace"}
