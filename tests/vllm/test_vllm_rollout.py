@@ -87,6 +87,7 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
         with WeightSender([EngineTarget(e["url"], e["world_size"]) for e in engines], backend="gloo",
                           bucket_bytes=128 << 10, timeout_s=300) as sender:
             sender.update([(n, t.contiguous()) for n, t in new.state_dict().items()], weight_version=1)
+        assert s.post("/v1/resume", {"weight_version": 1}).status_code == 200   # paused engines hold requests
         for e in engines:   # both engines hold the new weights (untied head included)
             r = httpx.post(f"{e['url']}/generate", timeout=120, json={
                 "input_ids": PROMPT, "return_logprob": True,
@@ -94,7 +95,6 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
             assert r["meta_info"]["weight_version"] == "1"
             lps = [x[0] for x in r["meta_info"]["output_token_logprobs"]]
             assert max_diff(lps, teacher_forced(new, PROMPT, r["output_ids"])) < 1e-4
-        assert s.post("/v1/resume", {"weight_version": 1}).status_code == 200
         produced = s.status()["produced"]
         s.wait(lambda st: st["produced"] >= produced + 4, timeout=600, what="groups after the weight sync")
         groups = s.lease_all()
