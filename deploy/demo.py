@@ -43,17 +43,18 @@ END = "<|endoftext|>"
 # ---- task, prompts, reward --------------------------------------------------------------------
 
 
-def task_items(seed: int, size: int) -> list[dict[str, Any]]:
-    """``size`` reasoning-gym ``chain_sum`` entries (question, answer, metadata) from ``seed``."""
+def task_items(seed: int, size: int, task_config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """``size`` reasoning-gym ``chain_sum`` entries (question, answer, metadata) from ``seed``
+    (``task_config`` default: the demo's ``TASK_CONFIG``)."""
     import reasoning_gym
 
-    ds = reasoning_gym.create_dataset(TASK, seed=seed, size=size, **TASK_CONFIG)
+    ds = reasoning_gym.create_dataset(TASK, seed=seed, size=size, **(task_config or TASK_CONFIG))
     return [ds[i] for i in range(size)]
 
 
-def eval_items(n: int = 128, seed: int = 0) -> list[dict[str, Any]]:
+def eval_items(n: int = 128, seed: int = 0, task_config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The held-out evaluation entries: drawn from ``seed + 10**7``, never the training stream."""
-    return task_items(seed + EVAL_SEED_OFFSET, n)
+    return task_items(seed + EVAL_SEED_OFFSET, n, task_config)
 
 
 def render_prompt(question: str) -> str:
@@ -208,12 +209,43 @@ def _load(model_dir: str | Path) -> tuple[Any, Any]:
     return model, load_tokenizer(model_dir)
 
 
-def model_accuracy(model: Any, tok: Any, entries: Sequence[dict[str, Any]]) -> float:
-    """Greedy accuracy (binary reward) of an in-memory model on ``entries``."""
+class PromptFormat:
+    """How warm-up and accuracy present a question to the model and where its answer ends.
+
+    ``chat_tools`` None: the demo's plain text (``render_prompt``, answer then the end token).
+    A list (empty or not): the model's chat template with one user turn, the tools listed as the
+    template lists them (what an OpenAI-SDK agent sends through the gateway), the generation prompt
+    added; the answer ends with the template's end-of-turn token ``<|im_end|>``.
+    """
+
+    def __init__(self, tok: Any, chat_tools: list[dict[str, Any]] | None = None):
+        self.tok, self.chat_tools = tok, chat_tools
+        end = "<|im_end|>" if chat_tools is not None else END
+        self.end_id = tok.convert_tokens_to_ids(end)
+        if self.end_id is None or self.end_id == tok.unk_token_id:
+            raise ValueError(f"the tokenizer has no {end!r} token")
+
+    def prompt_ids(self, question: str) -> list[int]:
+        """The token ids the model sees before its answer."""
+        if self.chat_tools is None:
+            return self.tok(render_prompt(question))["input_ids"]
+        text = self.tok.apply_chat_template([{"role": "user", "content": question}], tools=self.chat_tools or None,
+                                            add_generation_prompt=True, tokenize=False)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def answer_ids(self, answer: Any) -> list[int]:
+        """The target completion: the answer's text and the end token."""
+        return self.tok(str(answer), add_special_tokens=False)["input_ids"] + [self.end_id]
+
+
+def model_accuracy(model: Any, tok: Any, entries: Sequence[dict[str, Any]],
+                   fmt: PromptFormat | None = None) -> float:
+    """Greedy accuracy (binary reward) of an in-memory model on ``entries`` (in ``fmt``, default plain)."""
+    fmt = fmt or PromptFormat(tok)
     was_training = model.training
     model.eval()
-    prompts = [tok(render_prompt(e["question"]))["input_ids"] for e in entries]
-    responses, _ = generate(model, prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=tok.eos_token_id)
+    prompts = [fmt.prompt_ids(e["question"]) for e in entries]
+    responses, _ = generate(model, prompts, max_new_tokens=MAX_NEW_TOKENS, eos_id=fmt.end_id)
     model.train(was_training)
     texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
     return sum(reward(t, e) for t, e in zip(texts, entries)) / max(1, len(entries))
@@ -227,14 +259,19 @@ def greedy_accuracy(model_dir: str | Path, n: int = 128, seed: int = 0) -> float
 
 def _fingerprint(model_dir: Path, args: dict[str, Any]) -> str:
     h = hashlib.sha256(json.dumps(args, sort_keys=True).encode())
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+    names = ("config.json", "model.safetensors", "tokenizer.json")
+    if "chat_tools" in args:           # the chat template renders the prompts
+        names += ("tokenizer_config.json",)
+    for name in names:
         h.update((model_dir / name).read_bytes())
     return h.hexdigest()
 
 
 def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, lr: float = 1e-3,
                batch: int = 128, seed: int = 0, target_accuracy: float = 0.22, check_every: int = 4,
-               min_steps: int = 40, eval_n: int = 128, log: Any = None) -> Path:
+               min_steps: int = 40, eval_n: int = 128, log: Any = None,
+               chat_tools: list[dict[str, Any]] | None = None,
+               task_config: dict[str, Any] | None = None) -> Path:
     """Supervised warm-up on question -> answer, saved as a HF directory at ``out_dir``.
 
     Trains on prompt + answer + end token (loss on the answer and end token only) with AdamW, and
@@ -245,6 +282,8 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, 
 
     Measured on tiny-qwen2 (seed 0): lr 1e-3 reaches 0.27 greedy accuracy at step 100; 2e-3 and
     4e-3 learn slower (0.10 and 0.03 at step 100), so the default is 1e-3 with up to 120 steps.
+    ``chat_tools`` (see ``PromptFormat``) trains in the chat format an agent's requests render to;
+    ``task_config`` replaces the demo's chain_sum settings (default ``TASK_CONFIG``).
     """
     import torch
 
@@ -254,6 +293,10 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, 
                          f"target_accuracy={target_accuracy}")
     args = {"steps": steps, "lr": lr, "batch": batch, "seed": seed, "target_accuracy": target_accuracy,
             "check_every": check_every, "min_steps": min_steps, "eval_n": eval_n, "recipe": 1}
+    if chat_tools is not None:
+        args["chat_tools"] = chat_tools
+    if task_config is not None:
+        args["task_config"] = task_config
     fp = _fingerprint(src, args)
     meta_path = out / "warm_start.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("fingerprint") == fp:
@@ -262,19 +305,19 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, 
     torch.manual_seed(seed)
     model, tok = _load(src)
     model.train()
-    eos = tok.eos_token_id
+    fmt = PromptFormat(tok, chat_tools)
     rng = random.Random(seed)
-    pool = task_items(seed, max(batch * 8, 1024))
-    evals = eval_items(eval_n, seed)
+    pool = task_items(seed, max(batch * 8, 1024), task_config)
+    evals = eval_items(eval_n, seed, task_config)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    acc, done_steps = model_accuracy(model, tok, evals), 0
+    acc, done_steps = model_accuracy(model, tok, evals, fmt), 0
     for step in range(1, steps + 1):
         if acc >= target_accuracy:
             break
         chosen = [pool[rng.randrange(len(pool))] for _ in range(batch)]
-        prompts = [tok(render_prompt(e["question"]))["input_ids"] for e in chosen]
-        answers = [tok(str(e["answer"]))["input_ids"] + [eos] for e in chosen]
-        lps, masks, _ = sequence_logprobs(model, prompts, answers, pad_id=eos)
+        prompts = [fmt.prompt_ids(e["question"]) for e in chosen]
+        answers = [fmt.answer_ids(e["answer"]) for e in chosen]
+        lps, masks, _ = sequence_logprobs(model, prompts, answers, pad_id=fmt.end_id)
         loss = -sum((lp * m).sum() for lp, m in zip(lps, masks)) / sum(m.sum() for m in masks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -282,10 +325,10 @@ def warm_start(model_dir: str | Path, out_dir: str | Path, *, steps: int = 120, 
         opt.step()
         done_steps = step
         if step >= min_steps and (step % check_every == 0 or step == steps):
-            acc = model_accuracy(model, tok, evals)
+            acc = model_accuracy(model, tok, evals, fmt)
             if log:
                 log(f"warm-up step {step}: loss {loss.item():.3f}, greedy accuracy {acc:.3f}")
-    acc = model_accuracy(model, tok, evals)
+    acc = model_accuracy(model, tok, evals, fmt)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

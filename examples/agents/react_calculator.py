@@ -24,7 +24,7 @@ TOOLS = [{
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate an arithmetic expression (+, -, *, /, parentheses) and return the number.",
+        "description": "Evaluate an arithmetic expression.",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]},
     },

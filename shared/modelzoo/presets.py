@@ -32,11 +32,15 @@ class Preset:
     tied: bool
     head_dim: int | None = None
     description: str = ""
+    tool_phrases: bool = False     # tokenizer: the tool template's fixed text as single tokens
 
 
 PRESETS: dict[str, Preset] = {
     "tiny-qwen2": Preset("qwen2", 128, 4, 4, 2, 512, True,
                          description="the CPU demo model: Qwen2, width 128, 4 layers, tied, ~1M params"),
+    "tiny-qwen2-tools": Preset("qwen2", 128, 4, 4, 2, 512, True, tool_phrases=True,
+                               description="tiny-qwen2 whose tokenizer has single tokens for the tool "
+                                           "template's fixed text (the agent example's model)"),
     "tiny-llama": Preset("llama", 128, 4, 4, 2, 512, False, description="Llama, width 128, 4 layers, untied, ~1.1M"),
     "micro-qwen2": Preset("qwen2", 64, 2, 4, 2, 128, True, description="Qwen2, width 64, 2 layers, ~100K"),
     "qwen2-5m": Preset("qwen2", 256, 6, 4, 2, 768, True, description="Qwen2, width 256, 6 layers, ~5M"),
@@ -124,7 +128,7 @@ def write_random_model(name: str, out: Path, seed: int) -> Path:
     from safetensors.torch import save_file
 
     p = PRESETS[name]
-    tok = build_tokenizer()
+    tok = build_tokenizer(tool_phrases=p.tool_phrases)
     n_tokens = tok.get_vocab_size()
     vocab_size = -(-n_tokens // 64) * 64          # rows past the tokenizer are never produced as input
     eos_id, im_end_id = tok.token_to_id(EOS), tok.token_to_id(IM_END)

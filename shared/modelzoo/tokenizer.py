@@ -7,7 +7,8 @@ Guarantees:
 - Every digit is its own token (digits are split before BPE, so no merge can join two digits),
   and any text round-trips (byte-level alphabet: nothing is unknown).
 - The instruction phrase of reasoning-gym's arithmetic tasks (``PHRASES``) is one (non-special)
-  token; the total vocabulary is exactly ``VOCAB_SIZE`` = 512.
+  token; the total vocabulary is exactly ``VOCAB_SIZE`` = 512. With ``tool_phrases`` the tool
+  template's fixed text (``TOOL_PHRASES``) is too, in the same 512; without it nothing changes.
 - The special tokens are ``<|endoftext|>`` (id 0; eos and pad), ``<|im_start|>`` (1) and
   ``<|im_end|>`` (2), with a ChatML chat template.
 - ``load_tokenizer(dir)`` builds a ``PreTrainedTokenizerFast`` from ``tokenizer.json`` directly, never
@@ -34,6 +35,21 @@ VOCAB_SIZE = 512
 # Real tokenizers have long tokens for frequent text; this keeps the demo's prompts ~10 tokens long,
 # which halves the cost of every rollout and training step on a CPU.
 PHRASES = ["State the final answer to the following arithmetic problem:"]
+# With ``build_tokenizer(tool_phrases=True)`` (preset ``tiny-qwen2-tools``), also the fixed text that
+# the chat template writes around ``tools`` and tool calls, and the JSON-schema boilerplate of an
+# OpenAI tool definition: as in real tokenizers, where they cost a few tokens, an agent's first
+# prompt stays ~60-130 tokens instead of ~500 (what the agent example's warm-up and RL pay for).
+TOOL_PHRASES = [
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call>",
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    '{"type": "function", "function": {"name": "', '"description": "',
+    '"parameters": {"type": "object", "properties": {', '{"type": "string"}', '"required": [',
+    '{"name": "', '"arguments": ',
+]
 
 # ChatML, plus Qwen2.5's Hermes-style tools (the agent gateway's format): with ``tools`` a system
 # turn lists them as JSON inside <tools></tools>; an assistant message's ``tool_calls`` render as
@@ -122,8 +138,10 @@ def corpus(lines: int = 4000, seed: int = 1234) -> Iterator[str]:
             yield sentence
 
 
-def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> "Tokenizer":
-    """Train the preset tokenizer (deterministic; about a tenth of a second)."""
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, *, tool_phrases: bool = False) -> "Tokenizer":
+    """Train the preset tokenizer (deterministic; about a tenth of a second); ``tool_phrases`` adds
+    ``TOOL_PHRASES`` as single tokens (the BPE learns that many fewer merges; same total)."""
+    phrases = PHRASES + (TOOL_PHRASES if tool_phrases else [])
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -133,13 +151,13 @@ def build_tokenizer(vocab_size: int = VOCAB_SIZE) -> "Tokenizer":
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(PHRASES),
+        vocab_size=vocab_size - len(phrases),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in PHRASES])
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in phrases])
     return tok
 
 

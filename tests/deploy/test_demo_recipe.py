@@ -130,3 +130,55 @@ def test_warm_start_trains_saves_and_caches(tiny: Path, tmp_path: Path) -> None:
 def test_warm_start_rejects_bad_arguments(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="batch"):
         demo.warm_start(tiny, tmp_path / "x", batch=0)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+
+def test_chat_format_is_what_the_template_renders_and_ends_with_im_end(tiny: Path) -> None:
+    tok = load_tokenizer(tiny)
+    fmt = demo.PromptFormat(tok, TOOLS)
+    q = "State the final answer to the following arithmetic problem: 4 + 3 ="
+    want = tok.apply_chat_template([{"role": "user", "content": q}], tools=TOOLS, add_generation_prompt=True,
+                                   tokenize=False)
+    assert tok.decode(fmt.prompt_ids(q)) == want and want.endswith("<|im_start|>assistant\n")
+    assert "<tools>" in want and q in want
+    assert fmt.answer_ids(7)[-1] == tok.convert_tokens_to_ids("<|im_end|>") == fmt.end_id
+    assert tok.decode(fmt.answer_ids(-12)[:-1]) == "-12"
+    plain = demo.PromptFormat(tok)
+    assert plain.prompt_ids(q) == tok(demo.render_prompt(q))["input_ids"] and plain.end_id == tok.eos_token_id
+
+
+def test_warm_start_in_chat_format_records_its_format_and_task(tiny: Path, tmp_path: Path) -> None:
+    import json
+
+    cfg = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    kw = dict(steps=2, batch=8, target_accuracy=1.0, min_steps=100, eval_n=8, chat_tools=TOOLS, task_config=cfg)
+    out = demo.warm_start(tiny, tmp_path / "chat", **kw)
+    meta = json.loads((out / "warm_start.json").read_text())
+    assert meta["steps_run"] == 2 and meta["args"]["chat_tools"] == TOOLS and meta["args"]["task_config"] == cfg
+    plain = demo.warm_start(tiny, tmp_path / "plain", steps=2, batch=8, target_accuracy=1.0, min_steps=100, eval_n=8)
+    assert json.loads((plain / "warm_start.json").read_text())["fingerprint"] != meta["fingerprint"]
+    assert all(e["metadata"]["num_terms"] == 2 for e in demo.task_items(0, 20, cfg))
+
+
+def test_tools_preset_tokenizer_keeps_the_tool_template_short(tmp_path: Path) -> None:
+    from headrace.shared.modelzoo.tokenizer import PHRASES, TOOL_PHRASES, VOCAB_SIZE, build_tokenizer
+
+    tools = load_tokenizer(init_model("tiny-qwen2-tools", tmp_path / "t", seed=0))
+    plain = build_tokenizer()
+    assert len(tools) == VOCAB_SIZE == plain.get_vocab_size()
+    assert plain.token_to_id(TOOL_PHRASES[0]) is None and plain.token_to_id(PHRASES[0]) is not None
+    for p in TOOL_PHRASES:
+        assert len(tools(p, add_special_tokens=False)["input_ids"]) == 1, p
+    msgs = [{"role": "user", "content": "What is 4 + 3 ="},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "c1", "function": {
+                "name": "calculator", "arguments": '{"expression": "4 + 3"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "7"}]
+    text = tools.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
+    ids = tools(text, add_special_tokens=False)["input_ids"]
+    assert tools.decode(ids) == text                     # round-trips
+    first = tools.apply_chat_template(msgs[:1], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert len(tools(first, add_special_tokens=False)["input_ids"]) < 110
