@@ -10,22 +10,39 @@ that same engine (backend external, on_demand), as real processes on loopback:
   conversation with the official ``openai.AsyncOpenAI`` client (``ctx.client``,
   ``chat.completions.create``) through the gateway at ``<rollout>/openai/v1``: routes, episode
   auth, chat template, prefix matching, token-exact recording, the OpenAI answer and its parsing.
+  ``ctx.client``'s requests are served in-process by the service's own ASGI app (no socket; same
+  body limit, auth, validation and recording); the SDK's own work runs in the service's event loop;
+- ``external`` (``--external``): the same conversation from agents in this bench process, which
+  open episodes with ``POST /v1/episodes`` and call the gateway service over loopback HTTP (one
+  ``AsyncOpenAI`` and connection pool per episode): the SDK's work is off the service.
 
 Both use the same prompts, greedy sampling and ``ignore_eos``, so every call generates exactly
 ``--new-tokens`` tokens; ``--groups`` x ``--n`` samples (episodes) run at once (default 4 x 8 = 32).
-Each round is one ``POST /v1/generate_batch``; the rounds alternate between the two services.
+Each round is one ``POST /v1/generate_batch`` (or one batch of external episodes); the paths take turns.
 
-    python bench/agent_gateway_bench.py [--groups 4] [--n 8] [--new-tokens 16] [--turns 1] [--rounds 3]
+    python bench/agent_gateway_bench.py [--groups 4] [--n 8] [--new-tokens 16] [--turns 1] [--rounds 3] [--external]
 
 Prints, per path, the median wall time of one call (timed inside the service around
 ``ctx.generate`` / ``client.chat.completions.create``) and the generated tokens/s of the round
-(median over rounds), the rollout service's CPU time per call; the ratio gateway / generate of the per-call medians (target <= 1.15). The
-services share the CPU with the engine; on 2 cores that contention is part of what is measured.
+(median over rounds), the rollout service's CPU time per call; the ratio gateway / generate of the
+per-call medians (target <= 1.15; ``external_ratio`` likewise). The services share the CPU with the
+engine; on 2 cores that contention is part of what is measured.
+
+All 32 calls of a round wait for one engine batch, so each call's time carries about 16 other
+calls' service CPU: the ratio follows the service CPU per call. Measured (tiny-qwen2, 32 episodes,
+2 shared cores): before in-process serving, 7.6-7.9 ms service CPU per gateway call vs 1.3 for
+``ctx.generate``, ratio 1.47-1.96; after, on a machine loaded 10-13 deep, 4.5-8.2 ms vs 1.35-2.4,
+ratio 1.14-1.49 and tokens/s 0.68-0.97x of generate's over five runs (target missed). What remains is mostly the ``openai`` SDK itself
+(building the request, transforming the params, parsing the answer: ~40% of the service's CPU in
+py-spy), then the route with template rendering and tokenization (~14%). ``--external`` (two runs,
+same load): 3.5x and 5.0x; each external episode also pays its open and finish requests, a TCP
+connection and the server's HTTP handling, and the bench process competes for the same 2 cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -92,6 +109,32 @@ def batch_round(url: str, groups: int) -> float:
     return dt
 
 
+async def _external(url: str, groups: int, n: int, turns: int, first: int) -> list[tuple[str, float, int]]:
+    """``groups`` x ``n`` external agents in this process (episodes over HTTP, one ``AsyncOpenAI``
+    each, its own connection pool), the same conversation as the in-service agent; timed per call."""
+    import openai
+
+    calls: list[tuple[str, float, int]] = []
+
+    async def one(http: httpx.AsyncClient, g: int) -> None:
+        r = await http.post(f"{url}/v1/episodes", json={"group_id": f"ext-{first}-{g}", "group_size": n})
+        r.raise_for_status()
+        ep = r.json()
+        async with httpx.AsyncClient(timeout=900.0) as pool:
+            client = openai.AsyncOpenAI(base_url=ep["base_url"], api_key=ep["api_key"], http_client=pool, max_retries=0)
+            msgs = [{"role": "user", "content": f"What is {(first + g) % 97} + {(first + g) % 13}?"}]
+            for _ in range(turns):
+                t0 = time.perf_counter()
+                a = await client.chat.completions.create(model="headrace", messages=msgs)
+                calls.append(("external", time.perf_counter() - t0, a.usage.completion_tokens))
+                msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "Go on."}]
+        (await http.post(f"{url}/v1/episodes/{ep['episode_id']}/finish", json={"reward": 0.0})).raise_for_status()
+
+    async with httpx.AsyncClient(timeout=900.0) as http:
+        await asyncio.gather(*(one(http, g) for g in range(groups) for _ in range(n)))
+    return calls
+
+
 def read_calls(path: Path) -> list[tuple[str, float, int]]:
     if not path.exists():
         return []
@@ -107,6 +150,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=1, help="chat calls per episode")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    ap.add_argument("--external", action="store_true",
+                    help="also time external agents: this process drives episodes over loopback HTTP")
     args = ap.parse_args()
 
     from headrace.shared.modelzoo import init_model
@@ -154,8 +199,13 @@ def main() -> None:
             pids[kind] = procs[-1].pid
             procs[-1].wait_http(f"{urls[kind]}/health", timeout=120)
 
+        if args.external:       # external agents use the gateway service's episodes and OpenAI routes
+            urls["external"], pids["external"] = urls["gateway"], pids["gateway"]
         for kind in urls:       # warm-up: engine caches, connection pools, first-call imports
-            batch_round(urls[kind], args.groups)
+            if kind == "external":
+                asyncio.run(_external(urls[kind], args.groups, args.n, args.turns, 0))
+            else:
+                batch_round(urls[kind], args.groups)
         walls: dict[str, list[float]] = {k: [] for k in urls}
         per_call: dict[str, list[float]] = {k: [] for k in urls}
         tps: dict[str, list[float]] = {k: [] for k in urls}
@@ -165,9 +215,15 @@ def main() -> None:
             for kind in order[r % 2:] + order[:r % 2]:
                 times.unlink(missing_ok=True)
                 c0 = cpu_seconds(pids[kind])
-                wall = batch_round(urls[kind], args.groups)
+                if kind == "external":
+                    t0 = time.perf_counter()
+                    calls = asyncio.run(_external(urls[kind], args.groups, args.n, args.turns, 1 + r))
+                    wall = time.perf_counter() - t0
+                else:
+                    wall = batch_round(urls[kind], args.groups)
                 cpu[kind] += cpu_seconds(pids[kind]) - c0
-                calls = [c for c in read_calls(times) if c[0] == kind]
+                if kind != "external":
+                    calls = [c for c in read_calls(times) if c[0] == kind]
                 assert len(calls) == concurrent * args.turns, (kind, len(calls))
                 assert all(c[2] == args.new_tokens for c in calls), calls
                 walls[kind].append(wall)
@@ -189,6 +245,10 @@ def main() -> None:
                                               for k, v in cpu.items()},
                   "generate_round_s": round(statistics.median(walls["generate"]), 3),
                   "gateway_round_s": round(statistics.median(walls["gateway"]), 3)}
+        if args.external:
+            result.update({"external_ms_per_call": round(med["external"] * 1e3, 1),
+                           "external_ratio": round(med["external"] / med["generate"], 3),
+                           "external_tokens_per_s": round(statistics.median(tps["external"]), 1)})
         print(json.dumps(result))
     finally:
         for p in reversed(procs):
