@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +61,7 @@ class AdapterError(ValueError):
 @dataclass
 class _Fused:
     """The adapters of one internal matrix: A of every targeted slice stacked (one x A^T for all),
-    and per slice (out lo, out hi, rank lo, rank hi, scale x B)."""
+    and per slice (out lo, out hi, rank lo, rank hi, B); the scale alpha / r multiplies x A^T."""
 
     a: torch.Tensor
     slices: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
@@ -144,11 +145,91 @@ def _config(d: Path, engine_models: Sequence[str]) -> tuple[int, float, list[str
     return r, float(alpha), sorted(set(targets), key=TARGETS.index)
 
 
+class _Safetensors:
+    """One safetensors file, read as the format defines it: an 8-byte little-endian header length,
+    a JSON header ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__"?}`` and the
+    tensors' bytes, packed without gaps (what ``safetensors`` itself checks on open). ``entries``
+    is known after the header alone; ``load`` then reads the data with one ``readinto`` (one copy
+    from the page cache, instead of one read and one copy per tensor) and ``tensor`` is a view."""
+
+    SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+    FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+    MAX_HEADER = 16 << 20
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or n > min(self.MAX_HEADER, size - 8):
+            raise AdapterError(f"{WEIGHTS} is not a safetensors file (header length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise AdapterError(f"{WEIGHTS}: the header is not valid JSON: {e}") from None
+        if not isinstance(header, dict):
+            raise AdapterError(f"{WEIGHTS}: the header is not a JSON object")
+        header.pop("__metadata__", None)
+        self.start, self.length = 8 + n, size - 8 - n
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+        for name, e in header.items():
+            ok = isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list) \
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
+                and all(type(x) is int and x >= 0 for x in [*e["shape"], *e["data_offsets"]])
+            if not ok:
+                raise AdapterError(f"{WEIGHTS}: header entry {name!r} is not {{dtype, shape, data_offsets}}")
+            if e["dtype"] not in self.SIZES:
+                raise AdapterError(f"{WEIGHTS}: {name} has unknown dtype {e['dtype']!r}")
+            b, end = e["data_offsets"]
+            if end - b != math.prod(e["shape"]) * self.SIZES[e["dtype"]]:
+                raise AdapterError(f"{WEIGHTS}: {name}'s data_offsets {[b, end]} do not fit its shape "
+                                   f"{e['shape']} and dtype {e['dtype']}")
+            self.entries[name] = (e["dtype"], tuple(e["shape"]), b, end)
+        at = 0
+        for name, (_, _, b, end) in sorted(self.entries.items(), key=lambda kv: kv[1][2:]):
+            if b != at:
+                raise AdapterError(f"{WEIGHTS}: {name}'s bytes start at {b}, expected {at} (overlap or gap)")
+            at = end
+        if at != self.length:
+            raise AdapterError(f"{WEIGHTS}: the tensors take {at} bytes but the file holds {self.length} after "
+                               "its header (truncated or padded)")
+
+    def read(self, place: dict[str, int], size: int) -> torch.Tensor:
+        """Every tensor's bytes into one new buffer of ``size`` bytes, tensor ``n`` at ``place[n]``
+        (all tensors of the file, laid out as the caller wants them): one copy from the page cache,
+        one ``preadv`` per 1024 tensors, as the file holds them back to back."""
+        buf = torch.empty(size, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())
+        order = sorted(self.entries.items(), key=lambda kv: kv[1][2])
+        for i in range(0, len(order), 1024):      # IOV_MAX
+            run = order[i:i + 1024]
+            views = [mv[place[n]:place[n] + e - b] for n, (_, _, b, e) in run if e > b]
+            pos, want = self.start + run[0][1][2], run[-1][1][3] - run[0][1][2]
+            while want:
+                got = os.preadv(self.f.fileno(), views, pos)
+                if got <= 0:
+                    raise AdapterError(f"{WEIGHTS} changed while it was read (ended {want} bytes early)")
+                pos, want = pos + got, want - got
+                while views and got >= len(views[0]):
+                    got -= len(views[0])
+                    views.pop(0)
+                if got:
+                    views[0] = views[0][got:]
+        return buf
+
+    def view(self, buf: torch.Tensor, at: int, name: str, rows: int | None = None) -> torch.Tensor:
+        """Tensor ``name`` (a float dtype, checked by the caller) at byte ``at`` of ``buf``; with
+        ``rows``, that many rows of its width (several tensors stacked)."""
+        dtype, shape, b, e = self.entries[name]
+        shape = (rows, *shape[1:]) if rows is not None else shape
+        n = math.prod(shape) * self.SIZES[dtype]
+        return buf[at:at + n].view(self.FLOATS[dtype]).view(shape)
+
+
 def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str], dirs: WeightDirs) -> LoraAdapter:
     """The adapter of PEFT directory ``path`` for ``model``, checked (see the module docstring);
     ``engine_models``: the names the engine's base model goes by (the first is shown in errors)."""
-    from safetensors import safe_open
-
     try:
         d = dirs.check(path)
         if not d.is_dir():
@@ -163,12 +244,13 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
         raise AdapterError(f"the adapter directory has no {WEIGHTS} (only safetensors adapters load here)")
     a = model.arch
     found: dict[tuple[int, str], dict[str, str]] = {}
+    mats: dict[tuple[int, str], tuple[str, int, int, int]] = {}
     try:
-        with safe_open(str(files[1]), framework="pt") as fh:
-            names = list(fh.keys())
-            if len(names) > 2 * len(TARGETS) * a.num_layers:
-                raise AdapterError(f"{WEIGHTS} holds {len(names)} tensors: more than this model's LoRA modules")
-            for n in names:
+        with open(files[1], "rb") as f:
+            fh = _Safetensors(f)
+            if len(fh.entries) > 2 * len(TARGETS) * a.num_layers:
+                raise AdapterError(f"{WEIGHTS} holds {len(fh.entries)} tensors: more than this model's LoRA modules")
+            for n, (dtype, shape, _, _) in fh.entries.items():
                 m = _NAME.match(n)
                 if m is None:
                     raise AdapterError(f"{WEIGHTS}: {n!r} is not a PEFT LoRA tensor name "
@@ -180,14 +262,14 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
                                        f"({a.num_layers} layers) does not have")
                 if proj not in targets:
                     raise AdapterError(f"{WEIGHTS}: {n!r} adapts {proj}, which is not in target_modules {targets}")
-                _, lo, hi, fan_in = _matrix_of(model, proj, layer)
+                if (layer, proj) not in mats:
+                    mats[layer, proj] = _matrix_of(model, proj, layer)
+                _, lo, hi, fan_in = mats[layer, proj]
                 want = (r, fan_in) if ab == "A" else (hi - lo, r)
-                sl = fh.get_slice(n)
-                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
                 if shape != want:
                     raise AdapterError(f"{WEIGHTS}: {n} has shape {list(shape)}, expected {list(want)} "
                                        f"(rank r={r} of {CONFIG} and this model's {proj})")
-                if dtype not in ("F32", "BF16", "F16", "F64"):
+                if dtype not in _Safetensors.FLOATS:
                     raise AdapterError(f"{WEIGHTS}: {n} has dtype {dtype}; floating point expected")
                 found.setdefault((layer, proj), {})[ab] = n
             half = [f"layer {lay} {p} (lora_{'B' if 'A' in ab else 'A'} missing)"
@@ -196,7 +278,7 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
                 raise AdapterError(f"{WEIGHTS}: incomplete modules: {', '.join(half[:5])}")
             if not found:
                 raise AdapterError(f"{WEIGHTS} holds no LoRA tensors")
-            fused = _fuse(model, found, fh, alpha / r)
+            fused = _fuse(model, found, mats, fh)
     except AdapterError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file: inside an allowed directory, say what failed
@@ -204,21 +286,39 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
     return LoraAdapter(name=name, path=path, r=r, alpha=alpha, target_modules=targets, fused=fused)
 
 
-def _fuse(model: Any, found: dict[tuple[int, str], dict[str, str]], fh: Any, scale: float) -> dict[str, _Fused]:
+def _fuse(model: Any, found: dict[tuple[int, str], dict[str, str]], mats: dict[tuple[int, str], tuple[str, int, int, int]],
+          fh: _Safetensors) -> dict[str, _Fused]:
+    """Per internal matrix: the A of its slices stacked, and each B. The file is read with one copy
+    into one buffer laid out so that the A of a matrix's slices lie back to back (the stacked A is
+    a view, when they share a dtype; else they are concatenated); a dtype other than the model's
+    costs a conversion."""
     dtype = model.dtype
-    per_key: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    per_key: dict[str, list[tuple[int, int, str, str]]] = {}
     for (layer, proj), ab in sorted(found.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
-        key, lo, hi, _ = _matrix_of(model, proj, layer)
-        A = fh.get_tensor(ab["A"]).to(torch.float32)
-        B = fh.get_tensor(ab["B"]).to(torch.float32) * scale
-        per_key.setdefault(key, []).append((lo, hi, A.to(dtype), B.to(dtype)))
+        key, lo, hi, _ = mats[layer, proj]
+        per_key.setdefault(key, []).append((lo, hi, ab["A"], ab["B"]))
+    place: dict[str, int] = {}
+    at = 0
+    for parts in per_key.values():
+        for n in [p[2] for p in parts] + [p[3] for p in parts]:
+            dt, _, b, e = fh.entries[n]
+            at += -at % fh.SIZES[dt]                 # aligned for its dtype (no gap when all share one)
+            place[n] = at
+            at += e - b
+    buf = fh.read(place, at)
     out = {}
     for key, parts in per_key.items():
-        f = _Fused(a=torch.cat([A for _, _, A, _ in parts]).contiguous())
+        a_names = [p[2] for p in parts]
+        ranks = [fh.entries[n][1][0] for n in a_names]
+        if len({fh.entries[n][0] for n in a_names}) == 1:
+            a = fh.view(buf, place[a_names[0]], a_names[0], rows=sum(ranks))
+        else:
+            a = torch.cat([fh.view(buf, place[n], n).to(torch.float32) for n in a_names])
+        f = _Fused(a=a.to(dtype))
         r0 = 0
-        for lo, hi, A, B in parts:
-            f.slices.append((lo, hi, r0, r0 + A.shape[0], B.contiguous()))
-            r0 += A.shape[0]
+        for (lo, hi, _, bn), r in zip(parts, ranks):
+            f.slices.append((lo, hi, r0, r0 + r, fh.view(buf, place[bn], bn).to(dtype)))
+            r0 += r
         out[key] = f
     return out
 
@@ -246,7 +346,7 @@ class LoraBatch:
             f = ad.fused.get(key)
             if f is None:
                 continue
-            xa = x[rows] @ f.a.T                                     # [b, T, sum of ranks]
+            xa = (x[rows] @ f.a.T).mul_(ad.scale)                    # [b, T, sum of ranks]
             for lo, hi, r0, r1, b in f.slices:
                 d = xa[..., r0:r1] @ b.T                             # [b, T, hi - lo]
                 if isinstance(rows, slice):
