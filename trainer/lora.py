@@ -252,10 +252,11 @@ def load_adapter_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) 
                          f"(targets: {', '.join(state.cfg.target_modules)})")
 
 
-def _gather(local: torch.Tensor, dim: int, real: int, info: Any) -> torch.Tensor | None:
-    """Full tensor on TP rank 0 (None elsewhere) from the shards along ``dim``, padding dropped."""
+def _gather(local: torch.Tensor, dim: int, real: int, info: Any, copy: bool = True) -> torch.Tensor | None:
+    """Full tensor on TP rank 0 (None elsewhere) from the shards along ``dim``, padding dropped
+    (at TP=1 without ``copy``: a view of ``local``)."""
     if info.tp == 1:
-        return local.narrow(dim, 0, real).clone()
+        return local.narrow(dim, 0, real).clone() if copy else local.narrow(dim, 0, real)
     local = local.detach().contiguous()
     shards = [torch.empty_like(local) for _ in range(info.tp)] if info.tp_rank == 0 else None
     dist.gather(local, shards, group=info.tp_group, group_dst=0)
@@ -264,10 +265,11 @@ def _gather(local: torch.Tensor, dim: int, real: int, info: Any) -> torch.Tensor
     return torch.cat(shards, dim=dim).narrow(dim, 0, real).contiguous()
 
 
-@torch.no_grad()
-def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def adapter_tensors(model: nn.Module, *, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(PEFT name, full adapter tensor) pairs in the model's dtype, gathered over TP; yields on TP
-    rank 0 only. A collective: every TP rank must exhaust the iterator."""
+    rank 0 only. A collective: every TP rank must exhaust the iterator. ``copy=False``: tensors not
+    gathered are views of the parameters (for a caller done with them before the next step). All
+    are detached (no ``no_grad`` wrapper: it cost a grad-mode switch per tensor yielded)."""
     state = lora_state(model)
     if state is None:
         raise ValueError("the model has no LoRA adapters (trainer.lora is null)")
@@ -278,11 +280,11 @@ def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             a_name, b_name = peft_names(li, t)
             a, b = mod.lora_A[t].detach(), mod.lora_B[t].detach()
             if mod.kind == "column":
-                b = _gather(b, 0, real, info)
-                a = a.clone()
+                b = _gather(b, 0, real, info, copy)
+                a = a.clone() if copy else a
             else:
-                a = _gather(a, 1, real, info)
-                b = b.clone()
+                a = _gather(a, 1, real, info, copy)
+                b = b.clone() if copy else b
             if info.tp_rank == 0:
                 yield a_name, a
                 yield b_name, b
