@@ -66,8 +66,19 @@ def _grad_and_optimizer_bytes(st, batch) -> dict:
     return {"grad_bytes": grads, "optimizer_bytes": opt, "trainable_params": trainable}
 
 
+def _cpu_of(pid: int) -> float:
+    """CPU seconds process ``pid`` has run, all its threads (scheduler statistics, ns resolution)."""
+    total = 0
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((t / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):   # a thread that just ended
+            pass
+    return total / 1e9
+
+
 def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int, size: int, prompt: int,
-            resp: int, steps: int, repeats: int) -> dict:
+            resp: int, steps: int, repeats: int, sync_only: bool = False, engine_pid: int = 0) -> dict:
     import httpx
 
     from headrace.shared.weight_sync import EngineTarget, WeightSender
@@ -87,14 +98,14 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
         out: dict = {}
         times: dict[str, list[float]] = {"full": [], "lora": []}
         tokens = 0
-        for s in range(steps + 1):            # training throughput, alternating
+        for s in range(0 if sync_only else steps + 1):            # training throughput, alternating
             for name, st in (("full", full), ("lora", lora)):
                 m = train_step(st, batch)
                 tokens = int(m["tokens"])
                 if s:
                     times[name].append(m["step_time_s"])
         out["tokens_per_step"] = tokens
-        for name, st in (("full", full), ("lora", lora)):
+        for name, st in () if sync_only else (("full", full), ("lora", lora)):
             out[name] = {"step_s": statistics.median(times[name]), "tokens_per_s": tokens / statistics.median(times[name]),
                          **_grad_and_optimizer_bytes(st, batch)}
 
@@ -102,6 +113,8 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
         sender.connect()
         client = httpx.Client(timeout=600)
         sync_t: dict[str, list[float]] = {"full": [], "merged": [], "adapter": []}
+        phases: dict[str, list[float]] = {"write": [], "load": [], "unload": []}
+        cpu: dict[str, list[float]] = {"write": [], "engine_load": []}
         sync_b: dict[str, int] = {}
         version = 0
         loaded: str | None = None
@@ -125,16 +138,23 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
                 sender.update(counted(EngineControl._named(lora), "merged"), weight_version=version)
                 t_merged = time.perf_counter() - t0
                 version += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 d = save_peft_adapter(lora.model, Path(adapters_dir) / f"v{version}", base_model_path=model_dir,
                                       lora_cfg=lora.cfg.lora, durable=False)   # as trainer.lora_adapter_sync
+                t1, c1, e0 = time.perf_counter(), time.thread_time(), _cpu_of(engine_pid)
                 r = client.post(f"{url}/load_lora_adapter", json={"lora_name": f"v{version}", "lora_path": str(d)})
                 if r.status_code != 200:
                     raise RuntimeError(f"/load_lora_adapter answered {r.status_code}: {r.text}")
+                t2, e1 = time.perf_counter(), _cpu_of(engine_pid)
                 if loaded:
                     client.post(f"{url}/unload_lora_adapter", json={"lora_name": loaded}).raise_for_status()
                 loaded = f"v{version}"
                 t_adapter = time.perf_counter() - t0
+                if rep:
+                    for k, x in zip(phases, (t1 - t0, t2 - t1, t_adapter - (t2 - t0))):
+                        phases[k].append(x)
+                    cpu["write"].append(c1 - c0)
+                    cpu["engine_load"].append(e1 - e0)
                 sync_b["adapter"] = sum(f.stat().st_size for f in d.iterdir())
                 if rep:
                     sync_t["full"].append(t_full)
@@ -146,6 +166,8 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
             sender.shutdown()
             client.close()
         out["sync"] = {k: {"s": statistics.median(v), "bytes": sync_b[k]} for k, v in sync_t.items()}
+        out["sync"]["adapter"]["phases_s"] = {k: statistics.median(v) for k, v in phases.items()}
+        out["sync"]["adapter"]["cpu_s"] = {k: statistics.median(v) for k, v in cpu.items()}
         return out
     finally:
         destroy_distributed()
@@ -162,6 +184,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "lora")
+    ap.add_argument("--sync-only", action="store_true", help="measure the weight syncs only (no training)")
     args = ap.parse_args()
 
     from headrace.shared.procs import free_port, wait_http
@@ -187,25 +210,35 @@ def main() -> None:
     try:
         wait_http(f"{url}/health", 300, lambda: None if engine.poll() is None else f"engine exited {engine.returncode}")
         res = spawn(measure, 1, str(model_dir), url, str(adapters), args.rank, args.groups, args.group_size,
-                    args.prompt, args.resp, args.steps, args.repeats, timeout_s=7200, threads=1)[0]
+                    args.prompt, args.resp, args.steps, args.repeats, args.sync_only, engine.pid, timeout_s=7200,
+                    threads=1)[0]
     finally:
         engine.terminate()
         engine.wait(30)
-    f, lo, s = res["full"], res["lora"], res["sync"]
-    mem_f = f["grad_bytes"] + f["optimizer_bytes"]
-    mem_l = lo["grad_bytes"] + lo["optimizer_bytes"]
+    s = res["sync"]
     print(f"\n{args.preset}, LoRA rank {args.rank} (all seven targets) vs full fine-tuning, TP=1 fp32, "
           f"{res['tokens_per_step']} tokens per step")
+    if not args.sync_only:
+        _print_training(res)
+    for k in ("merged", "adapter"):
+        print(f"sync {k:<8} vs full     bytes {s[k]['bytes']:>12,} / {s['full']['bytes']:,} = "
+              f"{s[k]['bytes'] / s['full']['bytes']:.4f}   seconds {s[k]['s']:.3f} / {s['full']['s']:.3f} = "
+              f"{s[k]['s'] / s['full']['s']:.3f}")
+    print("adapter sync phases (medians): " + ", ".join(f"{k} {v * 1000:.1f} ms"
+                                                         for k, v in s["adapter"]["phases_s"].items())
+          + "; CPU: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in s["adapter"]["cpu_s"].items()))
+    print(json.dumps({"preset": args.preset, "rank": args.rank, **res}))
+
+
+def _print_training(res: dict) -> None:
+    f, lo = res["full"], res["lora"]
+    mem_f = f["grad_bytes"] + f["optimizer_bytes"]
+    mem_l = lo["grad_bytes"] + lo["optimizer_bytes"]
     print(f"trainable parameters      full {f['trainable_params']:>12,}  lora {lo['trainable_params']:>12,}  "
           f"ratio {lo['trainable_params'] / f['trainable_params']:.4f}")
     print(f"optimizer + grad bytes    full {mem_f:>12,}  lora {mem_l:>12,}  ratio {mem_l / mem_f:.4f}")
     print(f"training tokens/s         full {f['tokens_per_s']:>12.1f}  lora {lo['tokens_per_s']:>12.1f}  "
           f"ratio {lo['tokens_per_s'] / f['tokens_per_s']:.2f}")
-    for k in ("merged", "adapter"):
-        print(f"sync {k:<8} vs full     bytes {s[k]['bytes']:>12,} / {s['full']['bytes']:,} = "
-              f"{s[k]['bytes'] / s['full']['bytes']:.4f}   seconds {s[k]['s']:.3f} / {s['full']['s']:.3f} = "
-              f"{s[k]['s'] / s['full']['s']:.3f}")
-    print(json.dumps({"preset": args.preset, "rank": args.rank, **res}))
 
 
 if __name__ == "__main__":
