@@ -1,7 +1,7 @@
 """The shared engine contract (tests/engine/engine_contract.py) against a real vLLM 0.32 server on
 CPU, reached through Headrace's SGLang-API adapter (``rollout.vllm_backend``), plus the adapter's
 own guarantees: bad input is one 400 naming the problem, the run token guards every route but
-/health. One vLLM server per module (~3 GB RSS, 30-60 s to start), stopped by pid at the end.
+/health. One vLLM server per module (~1.6 GB RSS, 30-60 s to start), stopped by pid at the end.
 
 Where vLLM differs, the adapter states it and the contract still holds: ``retract`` pauses map to
 vLLM's ``keep`` (an abort while so paused answers without ``prompt_tokens``, SGLang's shape for a
