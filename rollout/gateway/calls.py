@@ -105,9 +105,8 @@ class Calls:
             self._usable(ep)
             plan = self.recorder.chat(ep.current, msgs, normalized(msgs), tools)
             ids, lps, finish, n_prompt = await self._generate(ep, plan, params)
-            content, calls = self.parse_tools(self._text(ids, params.get("stop", [])))
-            if req.tool_choice == "none" or not tools:
-                content, calls = self._text(ids, params.get("stop", [])), []
+            text = self._text(ids, params.get("stop", []))
+            content, calls = (text, []) if req.tool_choice == "none" or not tools else self.parse_tools(text)
             answer = chat_completion(self.model_name, content, calls,
                                      "length" if finish == "length" else "tool_calls" if calls else "stop",
                                      n_prompt, len(ids), chat_logprobs(self._pieces(ids), lps) if req.logprobs else None)
