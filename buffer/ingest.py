@@ -80,6 +80,7 @@ def parse_groups(body: bytes, content_type: str | None) -> list[GroupRow]:
     try:
         wire.check_content_type(content_type)
     except wire.WireError as e:
+        e.message += f" or {columns.COLUMNS}"  # POST /v1/groups takes columns too
         e.groups = 1  # type: ignore[attr-defined]
         raise
     if wire.is_msgpack(content_type):

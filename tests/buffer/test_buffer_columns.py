@@ -135,6 +135,8 @@ def test_lease_request_is_not_columns(buf: tuple[str, Path]) -> None:
     url, _ = buf
     r = httpx.post(url + "/v1/leases", content=C.encode([make_group("x")]), headers={**AUTH, "content-type": C.COLUMNS})
     assert r.status_code == 415
+    r = httpx.post(url + "/v1/groups", content=b"x", headers={**AUTH, "content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["detail"].endswith(f"or {C.COLUMNS}")
 
 
 def test_clients_use_columns_by_default(buf: tuple[str, Path]) -> None:
