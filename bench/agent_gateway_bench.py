@@ -32,7 +32,7 @@ All 32 calls of a round wait for one engine batch, so each call's time carries a
 calls' service CPU: the ratio follows the service CPU per call. Measured (tiny-qwen2, 32 episodes,
 2 shared cores): before in-process serving, 7.6-7.9 ms service CPU per gateway call vs 1.3 for
 ``ctx.generate``, ratio 1.47-1.96; after, on a machine loaded 10-13 deep, 4.5-8.2 ms vs 1.35-2.4,
-ratio 1.14-1.49 and tokens/s 0.68-0.97x of generate's over five runs (target missed). What remains is mostly the ``openai`` SDK itself
+ratio 1.14-1.49 and tokens/s 0.68-0.97x of generate's over six runs (target missed). What remains is mostly the ``openai`` SDK itself
 (building the request, transforming the params, parsing the answer: ~40% of the service's CPU in
 py-spy), then the route with template rendering and tokenization (~14%). ``--external`` (two runs,
 same load): 3.5x and 5.0x; each external episode also pays its open and finish requests, a TCP
