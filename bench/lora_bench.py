@@ -9,7 +9,10 @@ training throughput. Prints ratios (LoRA / full).
   with ``trainer.lora_sync: merged``: the targeted weights, W + alpha / rank * B A, gather and merge
   included) and adapter (the PEFT directory written by ``trainer.lora_export.save_peft_adapter`` and
   loaded through the engine's ``/load_lora_adapter``, the previous version unloaded). Median of
-  ``--repeats``, the three interleaved so machine load hits them alike.
+  ``--repeats``, the three interleaved so machine load hits them alike. The adapter sync is also
+  split into its phases (write, load, unload: wall seconds; CPU of the writing thread and of the
+  engine process during the load, from /proc schedstat), to tell work from waiting on a busy machine.
+  ``--sync-only`` skips the training measurements.
 - Training tokens/s: ``trainer.step.train_step`` on the same GRPO batch, LoRA and full alternating
   (median of ``--steps`` after one warm-up step each).
 
