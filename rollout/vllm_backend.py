@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -169,6 +170,11 @@ class Adapter:
         if r.status_code == 404:
             return (f"{self.upstream} is vLLM {version} without the token-in route /inference/v1/generate: "
                     "start it with --enable-scale-out")
+        r = await self.call("GET", "/v1/models", timeout=10.0)
+        served = [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else []
+        if self.model not in served and Path(self.model).name not in served:
+            return (f"{self.upstream} serves {served or 'no model'}, not {self.model} (the model the trainer "
+                    f"loads and syncs): start vLLM with --model {self.model}")
         return None
 
     # ---- /generate ----

@@ -1,7 +1,7 @@
 """Bad input at fleet start for ``backend: vllm`` (no vLLM needed: fake upstreams on loopback).
 
 An engine URL that is not vLLM, a vLLM of another version, and a vLLM without dev mode (its RL
-routes missing) or without the token-in route each stop ``Fleet.start`` with one error that
+routes missing), without the token-in route, or serving another model than the trainer's each stop ``Fleet.start`` with one error that
 names the engine and the fix. The adapter (``python -m headrace.rollout.vllm_backend``) is a real
 child process; the fake upstream is a stdlib HTTP server in this process.
 """
@@ -43,8 +43,9 @@ def fake_upstream(routes: dict[str, tuple[int, dict]]) -> ThreadingHTTPServer:
 
 
 @pytest.fixture
-def upstream(request: pytest.FixtureRequest) -> Iterator[str]:
-    server = fake_upstream(request.param)
+def upstream(request: pytest.FixtureRequest, tiny_model: Path) -> Iterator[str]:
+    served = {"/v1/models": (200, {"data": [{"id": str(tiny_model)}]})}
+    server = fake_upstream({**served, **request.param})
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
@@ -60,7 +61,8 @@ DEV = {"/version": (200, {"version": "0.32.0"}), "/is_paused": (200, {"is_paused
     ({**DEV, "/version": (200, {"version": "0.31.2"})}, ["vLLM 0.31.2", "supports vLLM 0.32", "build_vllm_venv"]),
     ({"/version": (200, {"version": "0.32.0"})}, ["without dev mode", "VLLM_SERVER_DEV_MODE=1"]),
     ({**DEV, "/inference/v1/generate": (404, {})}, ["/inference/v1/generate", "--enable-scale-out"]),
-], indirect=["upstream"], ids=["not-vllm", "version", "no-dev-mode", "no-scale-out"])
+    ({**DEV, "/v1/models": (200, {"data": [{"id": "other-model"}]})}, ["serves ['other-model']", "--model"]),
+], indirect=["upstream"], ids=["not-vllm", "version", "no-dev-mode", "no-scale-out", "other-model"])
 def test_fleet_start_names_the_engine_and_the_fix(upstream: str, words: list[str], tiny_model: Path,
                                                   tmp_path: Path) -> None:
     cfg = EnginesConfig(backend="vllm", urls=[upstream], startup_timeout_s=120, restart=False)
