@@ -13,7 +13,9 @@ demo: venv
 	$(VENV)/bin/headrace run
 
 # 2. The whole test suite, including the SGLang and vLLM tiers (builds their venvs first).
-test: venv sglang-venv vllm-venv
+# The three venvs are independent: built side by side (mostly downloads and unpacking).
+test:
+	$(MAKE) -j3 venv sglang-venv vllm-venv
 	CI=$${CI:-} $(PY) -m pytest -q --strict-markers -n 2 --dist loadfile --durations=40 tests
 
 test-fast: venv

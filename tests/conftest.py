@@ -25,7 +25,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Modules that each take minutes (real SGLang / vLLM servers, the four-service fault test) run first:
+# with ``-n 2 --dist loadfile`` workers take files in collection order, so starting the longest ones
+# early keeps them from stretching the end of the run. The order within each part is unchanged.
+LONG_FIRST = ("tests/vllm/", "tests/sglang/", "tests/deploy/test_faults.py")
+
+
+def _long_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return next((i for i, p in enumerate(LONG_FIRST) if path.startswith(p)), len(LONG_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_long_rank)       # stable
     cuda = None
     for item in items:
         if "gpu" in item.keywords:
