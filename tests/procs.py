@@ -33,6 +33,12 @@ def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
+def _default_sigint() -> None:
+    """In the child: SIGINT acts as a terminal's Ctrl-C. A test run started in the background of a
+    non-interactive shell inherits SIGINT ignored, and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """A child process with its log file; ``stop()`` ends it and only it."""
 
@@ -44,7 +50,7 @@ class Proc:
         self._log = open(log, "ab")
         self.popen = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                       env=env or child_env(), cwd=str(cwd or REPO),
-                                      start_new_session=True)
+                                      start_new_session=True, preexec_fn=_default_sigint)
 
     @property
     def pid(self) -> int:

@@ -16,7 +16,7 @@ from tests.procs import REPO
 
 RANDOM_PRESETS = [p for p in presets() if p != SMOLLM2]
 EXPECTED_PARAMS = {  # rough sizes promised in the preset descriptions
-    "tiny-qwen2": (0.9e6, 1.2e6), "tiny-llama": (0.9e6, 1.3e6), "micro-qwen2": (0.07e6, 0.15e6),
+    "tiny-qwen2": (0.9e6, 1.2e6), "tiny-qwen2-tools": (0.9e6, 1.2e6), "tiny-llama": (0.9e6, 1.3e6), "micro-qwen2": (0.07e6, 0.15e6),
     "qwen2-5m": (4e6, 6e6), "qwen3-tiny": (0.9e6, 1.2e6), "llama-5m": (4e6, 6e6),
 }
 FILES = ["config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
