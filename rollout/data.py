@@ -11,6 +11,14 @@ Guarantees:
   off), so a restart never skips a prompt: drawn-but-unfinished positions are drawn again. With
   deferred saves a slot finished in the last moments before a crash may be drawn again; its group
   carries the same group id, so the buffer counts it as a duplicate and the trainer never sees it twice.
+- Sharding (``data.shard: {index, count}``, several rollout services on one buffer): this source
+  owns the positions whose index in their epoch is ``index`` modulo ``count`` and draws only
+  those. The shuffle is the same for every shard (same seed), so over all shards each epoch still
+  visits every item exactly once, the shards' positions (hence group ids) are disjoint, and each
+  shard gets ``len / count`` items per epoch (one more for the lower indexes when it does not
+  divide). The watermark counts only owned positions (the others are other shards'); the cursor
+  file is per shard (``shard_state_path``) and records its shard: a file of another shard or count
+  is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.shared.config import DataConfig
+from headrace.shared.config_sections import ShardConfig
 
 EVAL_SEED_OFFSET = 10_000_000  # reasoning-gym seeds shift item indices: keep eval far from training
 
@@ -109,6 +118,15 @@ def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
 
+def shard_state_path(path: str | Path, shard: ShardConfig | None) -> Path:
+    """The cursor file of ``shard``: ``path`` itself without sharding (or with count 1), else
+    ``<stem>.shard<index>of<count><suffix>``, so services sharing a config never share a cursor."""
+    p = Path(path)
+    if shard is None or shard.count == 1:
+        return p
+    return p.with_name(f"{p.stem}.shard{shard.index}of{shard.count}{p.suffix}")
+
+
 def load_items(cfg: DataConfig, *, eval: bool = False) -> list[tuple[Any, Any, dict[str, Any]]]:
     """(prompt, label, metadata) triples of the training (or evaluation) set, unshuffled."""
     if cfg.task:
@@ -132,12 +150,18 @@ class DataSource:
     def __init__(self, cfg: DataConfig, state_path: str | Path | None = None) -> None:
         self.cfg = cfg
         self.items = load_items(cfg)
-        self.state_path = Path(state_path) if state_path else None
+        shard = cfg.shard if cfg.shard is not None and cfg.shard.count > 1 else None
+        self.shard_index, self.shard_count = (shard.index, shard.count) if shard else (0, 1)
+        if self.shard_index >= len(self.items):
+            raise DataError(f"data.shard: shard {self.shard_index} of {self.shard_count} would get no prompt, the "
+                            f"data has only {len(self.items)}: use at most {len(self.items)} shards")
+        self.state_path = shard_state_path(state_path, shard) if state_path else None
         self._perms: dict[int, list[int]] = {}
         self.watermark = 0
         self.done: set[int] = set()
         if self.state_path and self.state_path.is_file():
             self._load()
+        self.watermark = self._owned_from(self.watermark)
         self._next = self.watermark
         self._outstanding: set[int] = set()
         self.autosave = True  # False: the owner calls flush() (the service does, every 0.2 s)
@@ -159,20 +183,31 @@ class DataSource:
         if st.get("size") not in (None, len(self.items)):
             raise DataError(f"{self.state_path}: cursor is for {st.get('size')} prompts, data has {len(self.items)}; "
                             "delete the file to start over")
+        shard = st.get("shard", [0, 1])
+        if shard != [self.shard_index, self.shard_count]:
+            raise DataError(f"{self.state_path}: cursor is for shard {shard} (index, count), data.shard is "
+                            f"[{self.shard_index}, {self.shard_count}]; give each shard its own state_path, or "
+                            "delete the file to start over")
 
     def _save(self) -> None:
         if not self.state_path:
             return
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        tmp.write_text(json.dumps({"watermark": self.watermark, "done": sorted(self.done),
-                                   "size": len(self.items), "seed": self.cfg.seed}))
+        st: dict[str, Any] = {"watermark": self.watermark, "done": sorted(self.done), "size": len(self.items),
+                              "seed": self.cfg.seed}
+        if self.shard_count > 1:
+            st["shard"] = [self.shard_index, self.shard_count]
+        tmp.write_text(json.dumps(st))
         os.replace(tmp, self.state_path)
 
     def state(self) -> dict[str, Any]:
         n = len(self.items)
-        return {"epoch": self.watermark // n, "position": self.watermark % n, "watermark": self.watermark,
-                "done_ahead": len(self.done), "outstanding": len(self._outstanding)}
+        out = {"epoch": self.watermark // n, "position": self.watermark % n, "watermark": self.watermark,
+               "done_ahead": len(self.done), "outstanding": len(self._outstanding)}
+        if self.shard_count > 1:
+            out["shard"] = {"index": self.shard_index, "count": self.shard_count}
+        return out
 
     # ---- drawing ----
 
@@ -189,10 +224,19 @@ class DataSource:
         """True once every slot of the configured epochs was drawn (never with epochs: null)."""
         return self.cfg.epochs is not None and self._skip_done(self._next) >= self.cfg.epochs * len(self.items)
 
+    def _owned_from(self, g: int) -> int:
+        """The first position >= ``g`` of this shard (``g`` itself without sharding)."""
+        k, j, n = self.shard_count, self.shard_index, len(self.items)
+        if k == 1:
+            return g
+        epoch, i = divmod(g, n)
+        i += (j - i) % k                   # the next index in the epoch that is j modulo k
+        return epoch * n + i if i < n else (epoch + 1) * n + j
+
     def _skip_done(self, g: int) -> int:
-        g = max(g, self.watermark)  # everything below the watermark is finished
+        g = self._owned_from(max(g, self.watermark))  # everything below the watermark is finished
         while g in self.done:
-            g += 1
+            g = self._owned_from(g + 1)
         return g
 
     def next(self) -> PromptItem | None:
@@ -216,7 +260,7 @@ class DataSource:
         self.done.add(g)
         while self.watermark in self.done:
             self.done.discard(self.watermark)
-            self.watermark += 1
+            self.watermark = self._owned_from(self.watermark + 1)
         self._dirty = True
         if self.autosave:
             self.flush()

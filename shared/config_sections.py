@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -123,6 +123,22 @@ class EnginesConfig(_Section):
                                     "(router sglang); default a free port")
 
 
+class ShardConfig(_Section):
+    """This rollout service's share of the prompts when several feed one buffer: slot i of each epoch goes to i % count."""
+
+    read_by: ClassVar[str] = "rollout"
+    index: int = Field(default=0, ge=0, le=100_000, description="this service's shard, 0 <= index < count")
+    count: int = Field(default=1, ge=1, le=100_000, description="rollout services sharing the prompts "
+                       "(each with its own index, the same data, seed and shuffle)")
+
+    @model_validator(mode="after")
+    def _index_below_count(self) -> "ShardConfig":
+        if self.index >= self.count:
+            raise ValueError(f"index {self.index} is not below count {self.count}: shards are numbered "
+                             f"0..{self.count - 1}")
+        return self
+
+
 class DataConfig(_Section):
     """The prompts: a jsonl / parquet file or a reasoning-gym task (one of the two)."""
 
@@ -148,6 +164,10 @@ class DataConfig(_Section):
     eval_path: str | None = Field(default=None, min_length=1, description="held-out prompts for evaluation "
                                   "(jsonl / parquet; with `task` they are drawn from the task)")
     eval_size: int = Field(default=64, ge=1, le=1_000_000, description="`task`: held-out items drawn for evaluation")
+    shard: ShardConfig | None = Field(default=None, description="several rollout services on one buffer: this "
+                                      "one draws only its shard's prompts, with its own cursor file (`state_path` "
+                                      "with `.shard<index>of<count>` before its suffix); evaluation still uses every "
+                                      "held-out prompt (null: every prompt)")
 
 
 class SamplingConfig(_Section):
@@ -193,6 +213,10 @@ class RolloutConfig(_Section):
     read_by: ClassVar[str] = "rollout"
     url: str = Field(default="http://127.0.0.1:8200", min_length=1, json_schema_extra=_by("trainer"),
                      description="URL where the trainer reaches the rollout service (`--rollout-url` overrides it)")
+    extra_urls: list[str] = Field(default_factory=list, json_schema_extra=_by("trainer"),
+                                  description="URLs of further rollout services (scale-out: each with its own "
+                                              "`data.shard`) whose engines the trainer syncs together with `url`'s; "
+                                              "`headrace train` sets it from its second and later `--rollout-url`")
     host: str = Field(default="127.0.0.1", min_length=1, description="interface the rollout service binds")
     port: int = Field(default=8200, ge=0, le=65535, description="TCP port the rollout service binds "
                       "(`headrace run` takes a free one when it is busy)")

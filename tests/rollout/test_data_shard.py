@@ -1,0 +1,90 @@
+"""``rollout.data.shard``: k data sources over the same prompts draw disjoint shares that together
+cover every epoch exactly once; each shard's cursor persists in its own file; bad shard configs
+are refused with a message naming the key."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from headrace.rollout.data import DataError, DataSource, shard_state_path
+from headrace.shared.config import ConfigError, DataConfig, load_config
+
+
+def _jsonl(path: Path, n: int) -> Path:
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": str(i)}) + "\n" for i in range(n)))
+    return path
+
+
+def _cfg(path: Path, index: int, count: int, **kw) -> DataConfig:
+    return DataConfig(path=str(path), shard={"index": index, "count": count}, **kw)
+
+
+def _draw_all(src: DataSource) -> list:
+    out = []
+    while (item := src.next()) is not None:
+        src.mark_done(item)
+        out.append(item)
+    return out
+
+
+@pytest.mark.parametrize("n,count", [(10, 2), (10, 3), (7, 7), (5, 1)])
+def test_shards_are_disjoint_and_cover_every_epoch_once(tmp_path: Path, n: int, count: int) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", n)
+    shards = [_draw_all(DataSource(_cfg(path, i, count, epochs=2, seed=3))) for i in range(count)]
+    positions = [it.position for s in shards for it in s]
+    assert len(positions) == len(set(positions)) == 2 * n            # disjoint, nothing left out
+    keys = [it.key for s in shards for it in s]
+    assert len(set(keys)) == len(keys)                                # group ids differ across shards
+    for epoch in (0, 1):                                              # every item once per epoch
+        labels = Counter(it.label for s in shards for it in s if it.epoch == epoch)
+        assert labels == Counter(str(i) for i in range(n))
+    sizes = [sum(1 for it in s if it.epoch == 0) for s in shards]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    whole = _draw_all(DataSource(DataConfig(path=str(path), epochs=2, seed=3)))   # same shuffle as unsharded
+    assert sorted((it.position, it.label) for s in shards for it in s) == [(it.position, it.label) for it in whole]
+
+
+def test_each_shard_keeps_its_own_cursor_across_restarts(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", 9)
+    state = tmp_path / "rollout_state.json"
+    a = DataSource(_cfg(path, 0, 2), state)
+    b = DataSource(_cfg(path, 1, 2), state)
+    assert a.state_path != b.state_path and a.state_path.name == "rollout_state.shard0of2.json"
+    first_a = [a.next() for _ in range(3)]
+    for it in first_a[:2]:
+        a.mark_done(it)                   # the third was drawn but not finished: drawn again after a restart
+    got_b = _draw_all(DataSource(_cfg(path, 1, 2, epochs=1), state))
+    assert b.next().position == 1 and len(got_b) == 4
+    a2 = DataSource(_cfg(path, 0, 2), state)
+    assert [a2.next().position for _ in range(3)] == [first_a[2].position, 6, 8]
+    assert a2.state()["shard"] == {"index": 0, "count": 2}
+    assert not DataSource(_cfg(path, 1, 2, epochs=1), state).next()     # shard 1's epoch is finished
+
+
+def test_a_cursor_of_another_shard_is_refused(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", 6)
+    src = DataSource(_cfg(path, 1, 3), tmp_path / "s.json")
+    src.mark_done(src.next())
+    shard_state_path(tmp_path / "s.json", _cfg(path, 0, 3).shard).write_text(src.state_path.read_text())
+    with pytest.raises(DataError, match=r"cursor is for shard \[1, 3\].*data.shard is \[0, 3\]"):
+        DataSource(_cfg(path, 0, 3), tmp_path / "s.json")
+
+
+def test_bad_shard_configs_name_the_key(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "p.jsonl", 3)
+    cases = {"{index: 2, count: 2}": "index 2 is not below count 2",
+             "{index: -1, count: 2}": "rollout.data.shard.index",
+             "{index: 0, count: 0}": "rollout.data.shard.count",
+             "{index: 0, count: 2, size: 4}": "rollout.data.shard.size: unknown key"}
+    cfg = tmp_path / "run.yaml"
+    for value, message in cases.items():
+        cfg.write_text(f"rollout:\n  data:\n    path: {path}\n    shard: {value}\n")
+        with pytest.raises(ConfigError, match="rollout.data.shard") as e:
+            load_config(cfg)
+        assert message in str(e.value)
+    with pytest.raises(DataError, match="shard 3 of 5 would get no prompt, the data has only 3"):
+        DataSource(_cfg(path, 3, 5))
