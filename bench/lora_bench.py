@@ -142,8 +142,11 @@ def measure(model_dir: str, url: str, adapters_dir: str, rank: int, groups: int,
                 t_merged = time.perf_counter() - t0
                 version += 1
                 t0, c0 = time.perf_counter(), time.thread_time()
+                # as trainer.lora_adapter_sync: the adapter before the previous one (3 versions a repeat) is
+                # no longer loaded, and its directory is rewritten in place
                 d = save_peft_adapter(lora.model, Path(adapters_dir) / f"v{version}", base_model_path=model_dir,
-                                      lora_cfg=lora.cfg.lora, durable=False)   # as trainer.lora_adapter_sync
+                                      lora_cfg=lora.cfg.lora, durable=False,
+                                      recycle=Path(adapters_dir) / f"v{version - 6}")
                 t1, c1, e0 = time.perf_counter(), time.thread_time(), _cpu_of(engine_pid)
                 r = client.post(f"{url}/load_lora_adapter", json={"lora_name": f"v{version}", "lora_path": str(d)})
                 if r.status_code != 200:

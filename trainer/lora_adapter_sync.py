@@ -12,7 +12,10 @@ it on every engine); a load that fails on any engine is unloaded again everywher
 backoff for at most ``trainer.sync_timeout_s`` (interruptible by SIGTERM), then raises
 ``WeightSyncError`` naming the engines: generation keeps the previous adapter meanwhile, never a mix.
 Directories of versions older than the previous one are deleted (the engines hold loaded adapters
-in memory; a restarted engine gets the current one again from the next sync).
+in memory; a restarted engine gets the current one again from the next sync), except the one before
+the previous version, which becomes the next version's directory (renamed, its file overwritten in
+place: ``save_peft_adapter(recycle=)``): no engine uses it any more, and reusing its cached pages
+makes the write ~10x faster than a new file's.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def sync_adapter(ctl: Any, st: Any) -> None:
         return
     t0 = time.perf_counter()
     cfg, version = ctl.cfg, st.policy_version
+    # version - 2 was unloaded by resume(version - 1): its directory is rewritten in place as this one
     out = save_peft_adapter(st.model, adapter_dir(cfg, version), base_model_path=cfg.model, lora_cfg=cfg.trainer.lora,
-                            durable=False)
+                            durable=False, recycle=adapter_dir(cfg, version - 2) if version >= 2 else None)
     if not ctl.rank0:
         return
     budget, attempt = cfg.trainer.sync_timeout_s, 0

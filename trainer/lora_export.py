@@ -50,13 +50,18 @@ def adapter_config(lora_cfg: LoRAConfig | Mapping[str, Any], base_model_path: st
 
 def save_peft_adapter(model_or_tensors: nn.Module | Mapping[str, torch.Tensor], out_dir: str | Path, *,
                       base_model_path: str | Path, lora_cfg: LoRAConfig | Mapping[str, Any],
-                      dtype: torch.dtype | None = None, durable: bool = True) -> Path:
+                      dtype: torch.dtype | None = None, durable: bool = True,
+                      recycle: str | Path | None = None) -> Path:
     """Write a PEFT LoRA directory at ``out_dir`` (replacing one there) and return its path.
 
     ``model_or_tensors``: a ``TPDecoder`` with adapters (``trainer.lora.apply_lora``; a collective
     over its TP group, TP rank 0 writes) or ``{PEFT name: full tensor}``. Tensors are written in
     ``dtype`` (default: as they are, the trainer's dtype). ``durable`` fsyncs the files before the
     rename (an export); a weight-sync directory skips it (a crash re-syncs: ~40% of the write's time).
+    ``recycle``: a directory of an earlier adapter that no reader needs any more (a weight sync passes
+    the version before the previous one): it is renamed to the temporary name and its weights file
+    overwritten in place, so the write reuses the page-cache pages it already holds. A new file's
+    pages cost a first-touch fault each: 19.6 MB took ~45 ms written anew against ~4 ms in place.
     Raises ValueError for a model without adapters or an empty mapping.
     """
     out = Path(out_dir)
@@ -75,9 +80,13 @@ def save_peft_adapter(model_or_tensors: nn.Module | Mapping[str, torch.Tensor], 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    old_dir = Path(recycle) if recycle is not None else None
+    if old_dir is not None and old_dir != out and not old_dir.is_symlink() and (old_dir / ADAPTER_WEIGHTS).is_file():
+        os.replace(old_dir, tmp)
+    else:
+        tmp.mkdir(parents=True)
     _write(tmp / ADAPTER_CONFIG, [json.dumps(adapter_config(lora_cfg, base_model_path), indent=1).encode()], durable)
-    _write(tmp / ADAPTER_WEIGHTS, _safetensors_parts(tensors, {"format": "pt"}), durable)
+    _write(tmp / ADAPTER_WEIGHTS, _safetensors_parts(tensors, {"format": "pt"}), durable, in_place=True)
     if out.exists():
         old = out.with_name(out.name + ".old")
         if old.exists():
@@ -126,11 +135,13 @@ def _safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
 _last_header: tuple[Any, bytes] = (None, b"")
 
 
-def _write(path: Path, parts: list[Any], durable: bool) -> None:
+def _write(path: Path, parts: list[Any], durable: bool, in_place: bool = False) -> None:
     """Write ``parts`` (bytes-like) as the file ``path`` with as few ``writev`` calls as the kernel
-    takes; fsync'ed when ``durable``."""
+    takes; fsync'ed when ``durable``. ``in_place``: an existing file is overwritten without being
+    truncated first (its cached pages are reused) and cut to the new length after."""
     views = [m for m in (memoryview(p).cast("B") for p in parts) if len(m)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    total = sum(len(m) for m in views)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if in_place else os.O_TRUNC), 0o644)
     try:
         i = 0
         while i < len(views):
@@ -141,6 +152,8 @@ def _write(path: Path, parts: list[Any], durable: bool) -> None:
                     i += 1
                 else:
                     views[i], n = views[i][n:], 0
+        if in_place and os.fstat(fd).st_size != total:
+            os.ftruncate(fd, total)
         if durable:
             os.fsync(fd)
     finally:

@@ -148,9 +148,9 @@ def _config(d: Path, engine_models: Sequence[str]) -> tuple[int, float, list[str
 class _Safetensors:
     """One safetensors file, read as the format defines it: an 8-byte little-endian header length,
     a JSON header ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__"?}`` and the
-    tensors' bytes, packed without gaps (what ``safetensors`` itself checks on open). ``entries``
-    is known after the header alone; ``load`` then reads the data with one ``readinto`` (one copy
-    from the page cache, instead of one read and one copy per tensor) and ``tensor`` is a view."""
+    tensors' bytes, packed without gaps (what ``safetensors`` itself checks on open). Opening reads
+    the raw header; ``parse`` checks it into ``entries``; ``read`` then copies the data with one
+    ``preadv`` per 1024 tensors (one copy from the page cache) and ``view`` gives a tensor of it."""
 
     SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
              "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -164,15 +164,19 @@ class _Safetensors:
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
         if n < 2 or n > min(self.MAX_HEADER, size - 8):
             raise AdapterError(f"{WEIGHTS} is not a safetensors file (header length {n}, file {size} bytes)")
+        self.raw = f.read(n)
+        self.start, self.length = 8 + n, size - 8 - n
+        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
+
+    def parse(self) -> None:
+        """Parse and check the header (``entries``); every problem is an ``AdapterError``."""
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(self.raw)
         except ValueError as e:
             raise AdapterError(f"{WEIGHTS}: the header is not valid JSON: {e}") from None
         if not isinstance(header, dict):
             raise AdapterError(f"{WEIGHTS}: the header is not a JSON object")
         header.pop("__metadata__", None)
-        self.start, self.length = 8 + n, size - 8 - n
-        self.entries: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, e in header.items():
             ok = isinstance(e, dict) and isinstance(e.get("dtype"), str) and isinstance(e.get("shape"), list) \
                 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
@@ -248,6 +252,12 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
     try:
         with open(files[1], "rb") as f:
             fh = _Safetensors(f)
+            key = (fh.raw, fh.length, r, tuple(targets), model.dtype)
+            plan = _PLANS.get(key)
+            if plan is not None and plan.model is model:    # the header checked before, byte for byte
+                return LoraAdapter(name=name, path=path, r=r, alpha=alpha, target_modules=targets,
+                                   fused=plan.load(fh))
+            fh.parse()
             if len(fh.entries) > 2 * len(TARGETS) * a.num_layers:
                 raise AdapterError(f"{WEIGHTS} holds {len(fh.entries)} tensors: more than this model's LoRA modules")
             for n, (dtype, shape, _, _) in fh.entries.items():
@@ -278,7 +288,10 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
                 raise AdapterError(f"{WEIGHTS}: incomplete modules: {', '.join(half[:5])}")
             if not found:
                 raise AdapterError(f"{WEIGHTS} holds no LoRA tensors")
-            fused = _fuse(model, found, mats, fh)
+            plan = _Plan(model, found, mats, fh)
+            fused = plan.load(fh)
+            _PLANS.clear()                                 # one layout at a time: a sync repeats it
+            _PLANS[key] = plan
     except AdapterError:
         raise
     except Exception as e:  # noqa: BLE001 - a corrupt file: inside an allowed directory, say what failed
@@ -286,41 +299,75 @@ def read_adapter(name: str, path: str, model: Any, engine_models: Sequence[str],
     return LoraAdapter(name=name, path=path, r=r, alpha=alpha, target_modules=targets, fused=fused)
 
 
-def _fuse(model: Any, found: dict[tuple[int, str], dict[str, str]], mats: dict[tuple[int, str], tuple[str, int, int, int]],
-          fh: _Safetensors) -> dict[str, _Fused]:
-    """Per internal matrix: the A of its slices stacked, and each B. The file is read with one copy
-    into one buffer laid out so that the A of a matrix's slices lie back to back (the stacked A is
-    a view, when they share a dtype; else they are concatenated); a dtype other than the model's
-    costs a conversion."""
-    dtype = model.dtype
-    per_key: dict[str, list[tuple[int, int, str, str]]] = {}
-    for (layer, proj), ab in sorted(found.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
-        key, lo, hi, _ = mats[layer, proj]
-        per_key.setdefault(key, []).append((lo, hi, ab["A"], ab["B"]))
-    place: dict[str, int] = {}
-    at = 0
-    for parts in per_key.values():
-        for n in [p[2] for p in parts] + [p[3] for p in parts]:
-            dt, _, b, e = fh.entries[n]
-            at += -at % fh.SIZES[dt]                 # aligned for its dtype (no gap when all share one)
-            place[n] = at
-            at += e - b
-    buf = fh.read(place, at)
-    out = {}
-    for key, parts in per_key.items():
-        a_names = [p[2] for p in parts]
-        ranks = [fh.entries[n][1][0] for n in a_names]
-        if len({fh.entries[n][0] for n in a_names}) == 1:
-            a = fh.view(buf, place[a_names[0]], a_names[0], rows=sum(ranks))
-        else:
-            a = torch.cat([fh.view(buf, place[n], n).to(torch.float32) for n in a_names])
-        f = _Fused(a=a.to(dtype))
-        r0 = 0
-        for (lo, hi, _, bn), r in zip(parts, ranks):
-            f.slices.append((lo, hi, r0, r0 + r, fh.view(buf, place[bn], bn).to(dtype)))
-            r0 += r
-        out[key] = f
-    return out
+class _Plan:
+    """How one checked adapter layout becomes tensors: where each tensor goes in the buffer the file
+    is read into (the A of a matrix's slices back to back, so the stacked A is a view when they
+    share a dtype; else they are concatenated) and, per internal matrix, its slices. A weight sync
+    loads the same layout every version, so ``read_adapter`` keeps the plan of the last header it
+    checked and, for a byte-identical header on the same model, skips parsing and checking it again
+    and builds the views from offsets (``as_strided``) instead of one slicing chain per tensor."""
+
+    def __init__(self, model: Any, found: dict[tuple[int, str], dict[str, str]],
+                 mats: dict[tuple[int, str], tuple[str, int, int, int]], fh: _Safetensors) -> None:
+        self.model, self.entries = model, fh.entries
+        per_key: dict[str, list[tuple[int, int, str, str]]] = {}
+        for (layer, proj), ab in sorted(found.items(), key=lambda kv: (kv[0][0], TARGETS.index(kv[0][1]))):
+            key, lo, hi, _ = mats[layer, proj]
+            per_key.setdefault(key, []).append((lo, hi, ab["A"], ab["B"]))
+        self.per_key, self.place, at = per_key, {}, 0
+        for parts in per_key.values():
+            for n in [p[2] for p in parts] + [p[3] for p in parts]:
+                dt, _, b, e = fh.entries[n]
+                at += -at % fh.SIZES[dt]                 # aligned for its dtype (no gap when all share one)
+                self.place[n] = at
+                at += e - b
+        self.size = at
+        dtypes = {dt for dt, *_ in fh.entries.values()}
+        # all in the model's dtype: per matrix (key, A offset and shape, [(lo, hi, r0, r1, B offset, shape)])
+        self.fast: list[tuple[str, int, tuple[int, int], list[tuple[int, int, int, int, int, tuple[int, ...]]]]] = []
+        if dtypes == {next((k for k, v in fh.FLOATS.items() if v == model.dtype), "")}:
+            item = fh.SIZES[dtypes.pop()]
+            for key, parts in per_key.items():
+                a_shape = fh.entries[parts[0][2]][1]
+                ranks = [fh.entries[p[2]][1][0] for p in parts]
+                slices, r0 = [], 0
+                for (lo, hi, _, bn), r in zip(parts, ranks):
+                    slices.append((lo, hi, r0, r0 + r, self.place[bn] // item, fh.entries[bn][1]))
+                    r0 += r
+                self.fast.append((key, self.place[parts[0][2]] // item, (sum(ranks), a_shape[1]), slices))
+
+    def load(self, fh: _Safetensors) -> dict[str, _Fused]:
+        """Read ``fh``'s data (its header is this plan's) into one new buffer and return the fused
+        adapter tensors, views of it (converted to the model's dtype where the file's differs)."""
+        fh.entries = self.entries
+        buf = fh.read(self.place, self.size)
+        out: dict[str, _Fused] = {}
+        if self.fast:
+            flat = buf.view(self.model.dtype)
+            for key, a_off, a_shape, slices in self.fast:
+                f = _Fused(a=flat.as_strided(a_shape, (a_shape[1], 1), a_off))
+                f.slices = [(lo, hi, r0, r1, flat.as_strided(shape, (shape[1], 1), off))
+                            for lo, hi, r0, r1, off, shape in slices]
+                out[key] = f
+            return out
+        dtype = self.model.dtype
+        for key, parts in self.per_key.items():
+            a_names = [p[2] for p in parts]
+            ranks = [fh.entries[n][1][0] for n in a_names]
+            if len({fh.entries[n][0] for n in a_names}) == 1:
+                a = fh.view(buf, self.place[a_names[0]], a_names[0], rows=sum(ranks))
+            else:
+                a = torch.cat([fh.view(buf, self.place[n], n).to(torch.float32) for n in a_names])
+            f = _Fused(a=a.to(dtype))
+            r0 = 0
+            for (lo, hi, _, bn), r in zip(parts, ranks):
+                f.slices.append((lo, hi, r0, r0 + r, fh.view(buf, self.place[bn], bn).to(dtype)))
+                r0 += r
+            out[key] = f
+        return out
+
+
+_PLANS: dict[tuple[Any, ...], _Plan] = {}
 
 
 class LoraBatch:

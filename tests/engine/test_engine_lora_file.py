@@ -80,6 +80,32 @@ def test_mixed_dtypes_read_as_their_values(setup: dict[str, Any]) -> None:
         assert got[1].abs().sum() > 0
 
 
+def test_a_repeated_layout_reads_each_files_values(setup: dict[str, Any]) -> None:
+    """A weight sync loads the same layout every version: the engine checks a header once and
+    reuses its plan for byte-identical headers. Two files with one layout and other values each
+    give their own delta, the same as on a first read; a truncated file with that header is
+    still refused (its length is part of what must match)."""
+    from safetensors.torch import save_file
+
+    from headrace.rollout.engine import lora
+
+    d1, _ = adapter(setup, "same-1")
+    d2, t2 = adapter(setup, "same-2")
+    save_file({k: -2.0 * t if "lora_B" in k else t for k, t in t2.items()}, str(d2 / "adapter_model.safetensors"))
+    lora._PLANS.clear()
+    first1 = delta(setup, read(setup, d1))             # checked and planned
+    (plan,) = lora._PLANS.values()
+    got2 = delta(setup, read(setup, d2))               # same header bytes: the plan is reused
+    again1 = delta(setup, read(setup, d1))
+    assert list(lora._PLANS.values()) == [plan]
+    assert all(torch.equal(x, y) for x, y in zip(first1, again1))
+    assert all(torch.allclose(y, -2.0 * x, atol=1e-5) for x, y in zip(first1, got2))
+    bad = d2 / "adapter_model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:-4])
+    with pytest.raises(lora.AdapterError, match="truncated or padded"):
+        read(setup, d2)
+
+
 def corrupt(setup: dict[str, Any], name: str, edit: Callable[[bytes], bytes]) -> Path:
     d, _ = adapter(setup, name)
     f = d / "adapter_model.safetensors"

@@ -34,3 +34,32 @@ def test_the_file_reads_back_with_safetensors(tmp_path: Path) -> None:
     save_peft_adapter({"x.lora_A.weight": torch.ones(2, 2)}, out, base_model_path="base", lora_cfg=cfg)
     assert list(load_file(str(out / "adapter_model.safetensors"))) == ["x.lora_A.weight"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]
+
+
+def test_a_recycled_directory_is_rewritten_in_place_and_reads_as_new(tmp_path: Path) -> None:
+    """``recycle=`` (what a weight sync passes: the version before the previous one) moves that
+    directory to the new name and overwrites its file without truncating it first: the file then
+    holds exactly what a fresh write holds, a longer old file is cut to the new length, and the
+    recycled directory is gone. A missing recycle directory falls back to a fresh write."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from headrace.trainer.lora_export import save_peft_adapter
+
+    g = torch.Generator().manual_seed(1)
+    cfg = {"rank": 4, "alpha": 8}
+    big = {"a.lora_A.weight": torch.randn(4, 64, generator=g), "b.lora_B.weight": torch.randn(64, 4, generator=g)}
+    small = {"a.lora_A.weight": torch.randn(4, 8, generator=g), "b.lora_B.weight": torch.randn(8, 4, generator=g)}
+    v1 = save_peft_adapter(big, tmp_path / "v1", base_model_path="base", lora_cfg=cfg, durable=False)
+    inode = os.stat(v1 / "adapter_model.safetensors").st_ino
+    fresh = save_peft_adapter(small, tmp_path / "fresh", base_model_path="base", lora_cfg=cfg, durable=False,
+                              recycle=tmp_path / "absent")
+    v3 = save_peft_adapter(small, tmp_path / "v3", base_model_path="base", lora_cfg=cfg, durable=False,
+                           recycle=v1)
+    assert not v1.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "v3"]
+    assert os.stat(v3 / "adapter_model.safetensors").st_ino == inode, "the old file was not reused"
+    assert (v3 / "adapter_model.safetensors").read_bytes() == (fresh / "adapter_model.safetensors").read_bytes()
+    back = load_file(str(v3 / "adapter_model.safetensors"))
+    assert all(torch.equal(back[k], t) for k, t in small.items())
+    assert (v3 / "adapter_config.json").read_text() == (fresh / "adapter_config.json").read_text()
