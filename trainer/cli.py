@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -12,7 +12,10 @@ model_app = typer.Typer(no_args_is_help=True, add_completion=False)
 def train(
     config: str = typer.Option(..., help="run YAML"),
     buffer_url: Optional[str] = typer.Option(None, help="buffer URL (default buffer.url)"),
-    rollout_url: Optional[str] = typer.Option(None, help="rollout URL; without it, train-only mode"),
+    rollout_url: Optional[List[str]] = typer.Option(
+        None, metavar="URL", help="rollout URL; without it, train-only mode. Repeat it for several rollout services "
+                                  "on one buffer (each with its own rollout.data.shard): one weight sync covers all "
+                                  "their engines"),
     token_file: Optional[str] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
                                                         "or set HEADRACE_TOKEN)"),
     token: Optional[str] = typer.Option(None, hidden=True, help="refused: use --token-file"),
@@ -25,8 +28,13 @@ def train(
     from headrace.shared.auth import flag_token
     from headrace.shared.config import ConfigError, load_config, save_config
 
+    urls = [u.rstrip("/") for u in rollout_url or []]
+    if len(set(urls)) != len(urls):
+        typer.echo(f"headrace train: --rollout-url given twice for the same service: {', '.join(urls)}", err=True)
+        raise typer.Exit(2)
     try:   # the token reaches the ranks inside the config they are spawned with, never a file or argv
-        cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": rollout_url,
+        cfg = load_config(config, {"buffer.url": buffer_url, "rollout.url": urls[0] if urls else None,
+                                   "rollout.extra_urls": urls[1:] if urls else None,
                                    "auth.token": flag_token(token, token_file)})
     except ValueError as e:   # ConfigError, or --token / an unreadable --token-file
         typer.echo(f"headrace train: {e}", err=True)
@@ -38,7 +46,7 @@ def train(
     from headrace.trainer.launch import spawn
     from headrace.trainer.loop import run_training_from_dict
 
-    mode = f"rollout at {rollout_url}" if rollout_url else "train-only (no rollout URL)"
+    mode = f"rollout at {', '.join(urls)}" if urls else "train-only (no rollout URL)"
     typer.echo(f"headrace train: {world} rank(s) (tp={t.tp} dp={t.dp}, {threads} thread(s) each), "
                f"buffer {cfg.buffer.url}, {mode}", err=True)
     try:
@@ -49,9 +57,9 @@ def train(
             import torch
 
             torch.set_num_threads(threads)
-            results = [run_training_from_dict(cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url)]
+            results = [run_training_from_dict(cfg.model_dump(mode="json"), cfg.buffer.url, urls or None)]
         else:
-            results = spawn(run_training_from_dict, world, cfg.model_dump(mode="json"), cfg.buffer.url, rollout_url,
+            results = spawn(run_training_from_dict, world, cfg.model_dump(mode="json"), cfg.buffer.url, urls or None,
                             timeout_s=365 * 24 * 3600.0, threads=threads)
     except (RuntimeError, TimeoutError) as e:
         text = str(e).rstrip()

@@ -31,6 +31,8 @@ Guarantees:
 - Any failure during a step before its hold (train, publish, memory, sync, resume) releases the
   lease on rank 0 before the error propagates; an error that ends training releases the held
   leases too (their training is not saved: they will be trained again).
+- Several rollout services (``--rollout-url`` repeated, scale-out): one ``EngineControl`` drives them
+  all as one (pause all, one weight sync over all their engines, resume all).
 - Train-only mode (no rollout URL): the loop trains on what the buffer holds and stops cleanly when
   fewer than ``groups_per_step`` groups arrive within ``lease_wait_s``. With a rollout URL it waits.
 - Resumes from ``checkpoint_dir/latest`` when present (model, optimizer, schedule, step, version),
@@ -51,7 +53,7 @@ import random
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -62,7 +64,7 @@ from headrace.trainer.checkpoint import Checkpointer, export_hf
 from headrace.trainer.lease import Leased, LeaseSource, StopInterrupt, StopRequest
 from headrace.trainer.metrics import MetricsWriter, StepMetrics
 from headrace.trainer.optim import build_optimizer, build_scheduler
-from headrace.trainer.rollout_control import RolloutControl, build_rollout_control
+from headrace.trainer.rollout_control import RolloutControl, build_rollout_control, rollout_urls
 from headrace.trainer.step import TrainerState, train_step
 
 log = logging.getLogger("headrace.trainer")
@@ -196,7 +198,7 @@ def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
                         ref_model=ref, temperature=temp if temp > 0 else 1.0)
 
 
-def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None = None,
+def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | Sequence[str] | None = None,
                  rollout: RolloutControl | None = None) -> dict[str, Any]:
     """Train on this rank until ``trainer.steps`` (or the buffer runs dry in train-only mode).
 
@@ -219,14 +221,15 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
             stop.install()
             cleanup.callback(stop.uninstall)
             arch = st.model.arch
-            source = LeaseSource(cfg, buffer_url, rollout_url, info.rank, arch.vocab_size,
+            urls = rollout_urls(rollout_url)
+            source = LeaseSource(cfg, buffer_url, urls[0] if urls else None, info.rank, arch.vocab_size,
                                  arch.max_position_embeddings, stop)
             cleanup.callback(source.close)
             out = Path(cfg.run.out)
             metrics = StepMetrics(MetricsWriter(out / "metrics.jsonl", out / "tensorboard" if t.tensorboard else None)
                                   if info.rank == 0 else None)
             cleanup.callback(metrics.close)
-            rollout = rollout or build_rollout_control(cfg, info, rollout_url, stop)
+            rollout = rollout or build_rollout_control(cfg, info, urls, stop)
             cleanup.callback(rollout.close)
             source.set_policy_version(st.policy_version)
             if rollout_mode(cfg) == "continuous" and hasattr(rollout, "refresh_stale"):
@@ -256,7 +259,8 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | None =
         destroy_distributed()
 
 
-def run_training_from_dict(cfg_dict: dict[str, Any], buffer_url: str, rollout_url: str | None) -> dict[str, Any]:
+def run_training_from_dict(cfg_dict: dict[str, Any], buffer_url: str,
+                           rollout_url: str | Sequence[str] | None) -> dict[str, Any]:
     """Picklable entry point for ``trainer.launch.spawn`` (the config travels as a plain dict)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s trainer %(levelname)s %(message)s")
     return run_training(HeadraceConfig.model_validate(cfg_dict), buffer_url, rollout_url)

@@ -9,12 +9,17 @@ the TP gather of a weight sync).
 - ``NoRollout``: every phase does nothing (train-only mode: no rollout URL; or engines that load
   checkpoints themselves). A base class for plugins that override only some phases.
 - ``EngineControl``: the rollout service over HTTP and weight sync to its engines over
-  torch.distributed (``headrace.shared.weight_sync.WeightSender``).
+  torch.distributed (``headrace.shared.weight_sync.WeightSender``). Given several rollout URLs
+  (scale-out: ``headrace train --rollout-url A --rollout-url B``), it drives them all as one
+  (``trainer.rollout_services.RolloutServices``): every phase goes to every service, one
+  weight-sync group spans all their engines (rank offsets continuing across services), the same
+  buckets reach every engine as one version, and the rollout resumes only after every engine of
+  every service confirmed it; a failure names the engine and its service.
 
 ``build_rollout_control`` picks one: the plugin named by ``trainer.weight_sync_hook:
-module:function`` when set (called on every rank as ``factory(config, info, rollout_url)``; the
-object it returns implements ``RolloutControl``), else ``EngineControl`` with a rollout URL and
-``NoRollout`` without.
+module:function`` when set (called on every rank as ``factory(config, info, rollout_url)`` with the
+first rollout URL; further ones are in ``config.rollout.extra_urls``; the object it returns
+implements ``RolloutControl``), else ``EngineControl`` with rollout URLs and ``NoRollout`` without.
 
 Guarantees of ``EngineControl``: a weight sync (joining the weight-sync group, then each update)
 is bounded by ``trainer.sync_timeout_s`` (``WeightSyncError`` naming the engine that did not
@@ -33,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.weight_sync.fanout import spawn
@@ -111,17 +116,18 @@ class EngineControl:
 
     STOP_POLL_S = 0.2   # how soon a SIGTERM interrupts a weight sync
 
-    def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str, stop: StopRequest | None = None) -> None:
+    def __init__(self, cfg: HeadraceConfig, info: Any, rollout_url: str | Sequence[str],
+                 stop: StopRequest | None = None) -> None:
         self.cfg, self.info, self.stop = cfg, info, stop
         self.rank0 = info.rank == 0
         self.gathers = info.dp_rank == 0          # TP ranks of replica 0 join the hf_state_dict collective
         self.rollout = None
         self.sender = None
         if self.rank0:
-            from headrace.shared.rollout_client import RolloutClient
+            from headrace.trainer.rollout_services import RolloutServices
 
-            self.rollout = RolloutClient(rollout_url, timeout=max(600.0, cfg.trainer.sync_timeout_s),
-                                         token=cfg.auth.token)
+            self.rollout = RolloutServices(rollout_urls(rollout_url), timeout=max(600.0, cfg.trainer.sync_timeout_s),
+                                           token=cfg.auth.token)
         self.released = False
         self.times: dict[str, float] = {}
 
@@ -219,11 +225,22 @@ class EngineControl:
             time.sleep(min(self.STOP_POLL_S, max(0.0, end - time.perf_counter())))
 
     def _push(self, named: Any, version: int) -> None:
-        if self.sender is None:
-            self.sender = self._until_stopped("joining the weight-sync group", self._connect)
-        elif not self.sender.connected:
-            self._until_stopped("rejoining the weight-sync group", self.sender.reconnect)
-        self._until_stopped(f"weight sync of version {version}", self.sender.update, named, version)
+        try:
+            if self.sender is None:
+                self.sender = self._until_stopped("joining the weight-sync group", self._connect)
+            elif not self.sender.connected:
+                self._until_stopped("rejoining the weight-sync group", self.sender.reconnect)
+            self._until_stopped(f"weight sync of version {version}", self.sender.update, named, version)
+        except WeightSyncError as e:
+            raise self._with_services(e) from e
+
+    def _with_services(self, e: WeightSyncError) -> WeightSyncError:
+        """``e`` with the rollout service of each failing engine named (when several services)."""
+        where = getattr(self.rollout, "service_of", None)
+        if where is None or len(getattr(self.rollout, "urls", ())) < 2:
+            return e
+        named = [f"engine {u} of rollout service {where(u)}" for u in e.urls if where(u)]
+        return WeightSyncError(f"{e} ({'; '.join(named)})", e.urls) if named else e
 
     def _until_stopped(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a daemon thread (it is bounded by sync_timeout_s itself); StopInterrupt when
@@ -264,7 +281,8 @@ class EngineControl:
                               master_address=t.sync_address, bucket_bytes=int(t.bucket_mb * (1 << 20)),
                               timeout_s=t.sync_timeout_s, token=self.cfg.auth.token)
         sender.connect()
-        log.info("weight-sync group joined by %d engine(s): %s", len(engines), ", ".join(e.url for e in engines))
+        log.info("weight-sync group joined by %d engine(s) of %d rollout service(s): %s", len(engines),
+                 len(getattr(self.rollout, "urls", [None])), ", ".join(e.url for e in engines))
         return sender
 
     def close(self) -> None:
@@ -279,14 +297,22 @@ class EngineControl:
             self.rollout.close()
 
 
-def build_rollout_control(cfg: HeadraceConfig, info: Any, rollout_url: str | None,
+def rollout_urls(rollout_url: str | Sequence[str] | None) -> list[str]:
+    """The rollout URLs as a list: one URL, several (scale-out), or none (train-only mode)."""
+    if rollout_url is None:
+        return []
+    return [rollout_url] if isinstance(rollout_url, str) else list(rollout_url)
+
+
+def build_rollout_control(cfg: HeadraceConfig, info: Any, rollout_url: str | Sequence[str] | None,
                           stop: StopRequest | None = None) -> RolloutControl:
-    """The plugin of ``trainer.weight_sync_hook`` (``factory(config, info, rollout_url)``) when set;
-    else ``EngineControl`` with a rollout URL (a weight sync interruptible by ``stop``), ``NoRollout``
-    without."""
+    """The plugin of ``trainer.weight_sync_hook`` (``factory(config, info, rollout_url)``, given the
+    first URL) when set; else ``EngineControl`` over every rollout URL (a weight sync interruptible by
+    ``stop``), ``NoRollout`` without one."""
+    urls = rollout_urls(rollout_url)
     spec = cfg.trainer.weight_sync_hook
     if spec:
         from headrace.shared.plugins import load_plugin
 
-        return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, rollout_url)
-    return NoRollout() if rollout_url is None else EngineControl(cfg, info, rollout_url, stop)
+        return load_plugin(spec, what="trainer.weight_sync_hook")(cfg, info, urls[0] if urls else None)
+    return EngineControl(cfg, info, urls, stop) if urls else NoRollout()

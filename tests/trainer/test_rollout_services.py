@@ -1,0 +1,137 @@
+"""``RolloutServices`` (the trainer's several rollout services as one) and ``EngineControl`` over it,
+against real HTTP servers on loopback that answer the rollout control API (no engines, no model):
+every phase reaches every service, engines are listed in service order, an engine listed twice
+and a failing service are errors naming the service, on-demand batches are split, a weight-sync
+failure names the engine and its service."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+
+from headrace.shared.config import HeadraceConfig
+from headrace.shared.rollout_client import RolloutError
+from headrace.shared.weight_sync import WeightSyncError
+from headrace.trainer.rollout_control import EngineControl, build_rollout_control
+from headrace.trainer.rollout_services import RolloutServices
+
+
+class FakeService:
+    """A rollout control API on a free port: records each call; ``fail`` paths answer 500."""
+
+    def __init__(self, engines: list[str]) -> None:
+        self.engines, self.calls, self.fail = engines, [], set()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _answer(self, body: Any, code: int = 200) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                owner.calls.append(self.path)
+                if self.path == "/v1/engines":
+                    return self._answer([{"url": u, "world_size": 1} for u in owner.engines])
+                self._answer({"weight_version": 0, "engines": [{"url": u, "stale": False} for u in owner.engines]})
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"null")
+                owner.calls.append(f"{self.path} {json.dumps(body, sort_keys=True)}")
+                if self.path in owner.fail:
+                    return self._answer({"detail": "engine http://e: boom"}, 500)
+                self._answer({"engines": len(owner.engines)} if self.path == "/v1/load_adapter" else {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def two() -> Iterator[tuple[FakeService, FakeService]]:
+    a, b = FakeService(["http://127.0.0.1:7001"]), FakeService(["http://127.0.0.1:7002", "http://127.0.0.1:7003"])
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_every_phase_reaches_every_service(two) -> None:
+    a, b = two
+    rs = RolloutServices([a.url, b.url + "/"])
+    try:
+        assert [e.url for e in rs.engines()] == a.engines + b.engines          # one group: offsets continue
+        assert rs.service_of("http://127.0.0.1:7003") == b.url
+        rs.pause("abort")
+        rs.resume(3)
+        assert rs.load_adapter("/x", 3)["engines"] == 3
+        rs.generate_batch(5)                                                  # 3 + 2: the step gets 5
+        assert [e["service"] for e in rs.status()["engines"]] == [a.url, b.url, b.url]
+        rs.evaluate()
+    finally:
+        rs.close()
+    posts = lambda s: [c for c in s.calls if c.startswith("/")]              # noqa: E731
+    assert posts(a)[1:5] == ['/v1/pause {"mode": "abort"}', '/v1/resume {"weight_version": 3}',
+                             '/v1/load_adapter {"path": "/x", "weight_version": 3}', '/v1/generate_batch {"groups": 3}']
+    assert '/v1/generate_batch {"groups": 2}' in posts(b)
+    assert any(c.startswith("/v1/evaluate") for c in a.calls) and not any(c.startswith("/v1/evaluate") for c in b.calls)
+
+
+def test_a_failing_service_is_named_after_every_service_was_called(two) -> None:
+    a, b = two
+    b.fail.add("/v1/pause")
+    rs = RolloutServices([a.url, b.url])
+    try:
+        with pytest.raises(RolloutError, match=f"pause failed on 1 of 2 rollout services: rollout service {b.url}: "
+                                               ".*500.*boom"):
+            rs.pause()
+        assert '/v1/pause {"mode": "abort"}' in a.calls
+    finally:
+        rs.close()
+
+
+def test_bad_service_lists_are_refused(two) -> None:
+    a, b = two
+    with pytest.raises(ValueError, match="given twice"):
+        RolloutServices([a.url, a.url + "/"])
+    with pytest.raises(ValueError, match="at least one"):
+        RolloutServices([])
+    b.engines = a.engines
+    rs = RolloutServices([a.url, b.url])
+    try:
+        with pytest.raises(RolloutError, match=f"engine http://127.0.0.1:7001 is listed by rollout services {a.url} "
+                                               f"and {b.url}"):
+            rs.engines()
+    finally:
+        rs.close()
+
+
+def test_a_weight_sync_failure_names_the_engine_and_its_service(tmp_path, two, monkeypatch) -> None:
+    a, b = two
+    cfg = HeadraceConfig.model_validate({"model": str(tmp_path), "trainer": {"sync_timeout_s": 1.0}})
+    ctl = build_rollout_control(cfg, SimpleNamespace(rank=0, dp_rank=0, tp=2), [a.url, b.url])
+    assert isinstance(ctl, EngineControl) and ctl.rollout.urls == [a.url, b.url]
+    ctl.rollout.engines()
+
+    def update(named, version):
+        raise WeightSyncError("http://127.0.0.1:7003: connection refused", ["http://127.0.0.1:7003"])
+
+    ctl.sender = SimpleNamespace(connected=True, update=update, close=lambda: None)
+    st = SimpleNamespace(policy_version=1, model=SimpleNamespace(hf_state_dict=lambda: iter([("w", None)])))
+    with pytest.raises(WeightSyncError, match=f"engine http://127.0.0.1:7003 of rollout service {b.url}"):
+        ctl.sync_weights(st)
+    ctl.close()

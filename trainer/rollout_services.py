@@ -1,0 +1,117 @@
+"""The trainer's view of one or several rollout services (scale-out: each feeds the same buffer with
+its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
+
+``EngineControl`` calls the same methods whether it drives one service or k of them:
+- ``pause``, ``resume``, ``release_memory``, ``resume_memory``, ``load_adapter`` go to every
+  service, concurrently; when any fails, the others still get the call and one ``RolloutError``
+  names each failing service and what it answered (its URL is in the message);
+- ``engines()`` is every service's engines, in service order, so one weight-sync group covers them
+  all (rank offsets continue across services); an engine listed by two services is an error
+  naming both; ``service_of(engine_url)`` says which service an engine belongs to, for errors;
+- ``status()`` merges the services' ``engines`` (each tagged with its ``service``);
+- ``generate_batch(n)`` (on-demand) splits ``n`` groups over the services (the lower indexes get
+  one more when it does not divide), so a step still gets ``n`` groups;
+- ``evaluate`` asks the first service only: every service holds the same held-out prompts
+  (sharding splits only the training prompts) and the weights are the same version everywhere.
+With one service every call goes straight to its client.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+from headrace.shared.rollout_client import RolloutClient, RolloutError
+from headrace.shared.weight_sync.protocol import EngineTarget
+
+
+class RolloutServices:
+    """Every rollout service the trainer controls (see the module docstring)."""
+
+    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, token: str | None = None) -> None:
+        cleaned = [u.rstrip("/") for u in urls]
+        if not cleaned:
+            raise ValueError("at least one rollout URL is needed")
+        dup = sorted({u for u in cleaned if cleaned.count(u) > 1})
+        if dup:
+            raise ValueError(f"rollout URL(s) given twice: {', '.join(dup)}")
+        self.urls = cleaned
+        self.clients = [RolloutClient(u, timeout=timeout, token=token) for u in cleaned]
+        self._pool = ThreadPoolExecutor(len(cleaned), "rollout-fanout") if len(cleaned) > 1 else None
+        self._service_of: dict[str, str] = {}
+
+    def _each(self, what: str, call: Callable[[RolloutClient, int], Any]) -> list[Any]:
+        """``call(client, index)`` for every service, concurrently; the answers in service order."""
+        if self._pool is None:
+            return [call(self.clients[0], 0)]
+        futures = [self._pool.submit(call, c, i) for i, c in enumerate(self.clients)]
+        answers, failed = [], []
+        for url, f in zip(self.urls, futures):
+            try:
+                answers.append(f.result())
+            except Exception as e:           # every service is waited for before the error is raised
+                failed.append(f"rollout service {url}: {e}")
+        if failed:
+            raise RolloutError(f"{what} failed on {len(failed)} of {len(self.urls)} rollout services: "
+                               + "; ".join(failed))
+        return answers
+
+    def status(self) -> dict[str, Any]:
+        answers = self._each("status", lambda c, i: c.status())
+        if len(answers) == 1:
+            return answers[0]
+        engines = [{**e, "service": url} for url, a in zip(self.urls, answers) for e in a.get("engines", [])]
+        return {"services": dict(zip(self.urls, answers)), "engines": engines}
+
+    def engines(self) -> list[EngineTarget]:
+        out: list[EngineTarget] = []
+        owner: dict[str, str] = {}
+        for url, engines in zip(self.urls, self._each("engines", lambda c, i: c.engines())):
+            for e in engines:
+                if e.url in owner:
+                    raise RolloutError(f"engine {e.url} is listed by rollout services {owner[e.url]} and {url}: "
+                                       "each engine must belong to one service")
+                owner[e.url] = url
+                out.append(e)
+        self._service_of = owner
+        return out
+
+    def service_of(self, engine_url: str) -> str | None:
+        """The rollout service that listed ``engine_url`` at the last ``engines()`` call."""
+        return self._service_of.get(engine_url.rstrip("/"))
+
+    def pause(self, mode: str = "abort") -> dict[str, Any]:
+        return self._merge(self._each("pause", lambda c, i: c.pause(mode)))
+
+    def resume(self, weight_version: int) -> dict[str, Any]:
+        return self._merge(self._each("resume", lambda c, i: c.resume(weight_version)))
+
+    def release_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._merge(self._each("release_memory", lambda c, i: c.release_memory(tags)))
+
+    def resume_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
+        return self._merge(self._each("resume_memory", lambda c, i: c.resume_memory(tags)))
+
+    def load_adapter(self, path: str, weight_version: int) -> dict[str, Any]:
+        answers = self._each("load_adapter", lambda c, i: c.load_adapter(path, weight_version))
+        if len(answers) == 1:
+            return answers[0]
+        return {"engines": sum(int((a or {}).get("engines", 0)) for a in answers), "services": answers}
+
+    def generate_batch(self, groups: int) -> dict[str, Any]:
+        k = len(self.clients)
+        shares = [groups // k + (1 if i < groups % k else 0) for i in range(k)]
+        return self._merge(self._each("generate_batch",
+                                      lambda c, i: c.generate_batch(shares[i]) if shares[i] else {}))
+
+    def evaluate(self, n: int | None = None) -> dict[str, Any]:
+        return self.clients[0].evaluate(n)
+
+    def _merge(self, answers: list[Any]) -> dict[str, Any]:
+        return answers[0] if len(answers) == 1 else {"services": dict(zip(self.urls, answers))}
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
