@@ -135,3 +135,15 @@ def test_a_weight_sync_failure_names_the_engine_and_its_service(tmp_path, two, m
     with pytest.raises(WeightSyncError, match=f"engine http://127.0.0.1:7003 of rollout service {b.url}"):
         ctl.sync_weights(st)
     ctl.close()
+
+
+def test_headrace_train_refuses_the_same_rollout_url_twice(tmp_path) -> None:
+    import subprocess
+
+    from tests.procs import child_env, headrace_cmd
+
+    (tmp_path / "run.yaml").write_text(f"model: {tmp_path}\n")
+    r = subprocess.run(headrace_cmd("train", "--config", str(tmp_path / "run.yaml"), "--rollout-url", "http://h:1",
+                                    "--rollout-url", "http://h:1/"), capture_output=True, text=True, env=child_env(),
+                       timeout=120)
+    assert r.returncode == 2 and "--rollout-url given twice for the same service" in r.stderr, r.stderr
