@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
@@ -129,7 +130,7 @@ class EngineClient:
     async def generate(self, ctx: "RolloutContext", input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         budget = int(sampling.get("max_new_tokens", 128))
         ids: list[int] = []
-        lps: list[float] = []
+        lps: list[Any] = []   # SGLang's [logprob, token id, text] entries, as the engines answered
         text = ""
         segments = answers = 0
         attempts = bad = 0
@@ -151,7 +152,7 @@ class EngineClient:
                 ctx.note_version(version)
                 segments += 1
             ids += seg_ids
-            lps += [float(x[0]) for x in out["meta_info"]["output_token_logprobs"]]
+            lps += out["meta_info"]["output_token_logprobs"]
             text = out.get("text") or ""
             answers += 1
             reason = out["meta_info"]["finish_reason"]["type"]
@@ -173,7 +174,7 @@ class EngineClient:
             text = ctx.tokenizer.decode(ids)
         meta = dict(out["meta_info"])
         meta.update(finish_reason=dict(meta["finish_reason"], type=reason),
-                    output_token_logprobs=[[lp, t, None] for lp, t in zip(lps, ids)],
+                    output_token_logprobs=lps,
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -208,6 +209,7 @@ class RolloutContext:
 
 # ---- helpers for generators --------------------------------------------------------------------
 
+_first = operator.itemgetter(0)
 STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed.value,
           "abort": SampleStatus.aborted.value}
 
@@ -215,7 +217,7 @@ STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed
 def append_turn(sample: Sample, answer: dict[str, Any]) -> Sample:
     """Append a /generate answer as model tokens (loss_mask 1) and set status from finish_reason."""
     ids = answer["output_ids"]
-    lps = [float(x[0]) for x in answer["meta_info"]["output_token_logprobs"]]
+    lps = list(map(_first, answer["meta_info"]["output_token_logprobs"]))
     sample.tokens = sample.tokens + ids
     sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.rollout_logprobs = (sample.rollout_logprobs or []) + lps

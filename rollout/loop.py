@@ -6,7 +6,12 @@ Guarantees:
 - A data slot is marked done (and the cursor persisted) only after its group reached the buffer,
   was filtered out, or failed entirely; slots in flight at a crash are drawn again after restart.
 - A plugin that raises, returns the wrong type or breaks a Sample invariant yields a ``failed``
-  sample (reward null, reason in ``metadata["error"]``); the loop keeps running.
+  sample (reward null, reason in ``metadata["error"]``); the loop keeps running. A group's
+  generated samples are checked once, together, as columns (``columns_push.check_outputs``: numpy
+  over their tokens, masks and logprobs; the row schema only for a sample it flags), before
+  scoring; no per-sample pydantic validation or deep copy on the hot path.
+- Each generator call gets its own copy of the prompt sample (fresh lists and free-form
+  containers): a generator that mutates its input cannot reach another sample.
 - Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
   context tracks it across partial-rollout resumes and multi-turn calls).
 - Continuous mode admits a new group only while buffer (queued + leased) + groups in flight here
@@ -16,6 +21,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import time
@@ -23,6 +29,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
+from headrace.rollout.columns_push import check_outputs, copy_for_generator, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext
@@ -40,21 +47,12 @@ def prompt_sample(**fields: Any) -> Sample:
     """The sample a generator receives: prompt tokens, empty response, no reward yet.
 
     Built without validation because its reward is legitimately unset until it is scored; every
-    sample a generator returns is validated again (``_revalidate``) before it goes anywhere.
+    sample a generator returns is checked (``columns_push.check_outputs``) before it goes anywhere.
     """
     defaults = dict(index=0, response_length=0, loss_mask=[], rollout_logprobs=None, reward=None,
                     status=SampleStatus.completed.value, weight_version=0, prompt=None, response=None,
                     label=None, metadata={})  # (pydantic's get_default inspects signatures: 3 ms a call)
     return Sample.model_construct(**{**defaults, **fields})
-
-
-def _revalidate(s: Sample) -> Sample:
-    """Check every invariant of a generator's output; the reward is checked after scoring."""
-    d = s.model_dump()
-    checked = Sample.model_validate({**d, "reward": d["reward"] if d["reward"] is not None else 0.0})
-    if s.reward is None:
-        checked = checked.model_copy(update={"reward": None})
-    return checked
 
 
 def failed(sample: Sample, why: str) -> Sample:
@@ -109,26 +107,47 @@ class RolloutLoop:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         return list(self.tokenizer(p)["input_ids"]), p
 
-    async def _sample(self, base: Sample, sampling: dict[str, Any]) -> list[Sample]:
+    async def _generate(self, base: Sample, sampling: dict[str, Any]) -> tuple[RolloutContext, Sample, list[Sample]]:
+        """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the reason."""
         ctx = self._ctx()
         async with self.samples_sem:
             try:
-                out = await self.generate_fn(ctx, base.model_copy(deep=True), dict(sampling))
+                out = await self.generate_fn(ctx, copy_for_generator(base), dict(sampling))
                 outs = out if isinstance(out, list) else [out]
                 if not outs or not all(isinstance(s, Sample) for s in outs):
                     raise TypeError(f"generator must return a Sample or a list of Samples, got {_typename(out)}")
-                outs = [_revalidate(s) for s in outs]
-            except ValidationError as e:
-                return [failed(base, f"generator produced an invalid sample: {_short(e)}")]
+            except ValidationError as e:  # the generator built a Sample that breaks the schema
+                outs = [failed(base, f"generator produced an invalid sample: {short(e)}")]
             except Exception as e:  # noqa: BLE001 - a generator fault fails the sample only
                 self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
-                return [failed(base, f"generate: {type(e).__name__}: {e}")]
-        version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-        for s in outs:
-            s.weight_version = version
+                outs = [failed(base, f"generate: {type(e).__name__}: {e}")]
+        return ctx, base, outs
+
+    async def _finish(self, made: list[tuple[RolloutContext, Sample, list[Sample]]]) -> list[Sample]:
+        """Check every generated sample at once (invalid ones fail with the schema's message), tag
+        versions, score; samples in order."""
+        seen: set[int] = set()
+        flat: list[tuple[RolloutContext, Sample, Sample]] = []
+        for ctx, base, outs in made:
+            for s in outs:
+                if id(s) in seen:  # one object returned twice: each place gets its own sample
+                    s = s.model_copy(deep=True)
+                seen.add(id(s))
+                flat.append((ctx, base, s))
+        todo = [(k, s) for k, (_, _, s) in enumerate(flat) if s.status != SampleStatus.failed.value]
+        samples = [s for _, _, s in flat]
+        for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo])):
+            samples[k] = ok if ok is not None else failed(flat[k][1], f"generator produced an invalid sample: {why}")
+        scoring = []
+        for (ctx, _, _), s in zip(flat, samples):
+            s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
             if s.status != SampleStatus.failed.value:
-                await score_sample(self.reward_fn, ctx, s, self.rc.reward_timeout_s)
-        return outs
+                scoring.append(score_sample(self.reward_fn, ctx, s, self.rc.reward_timeout_s))
+        await asyncio.gather(*scoring)
+        return samples
+
+    async def _sample(self, base: Sample, sampling: dict[str, Any]) -> list[Sample]:
+        return await self._finish([await self._generate(base, sampling)])
 
     async def produce(self, item: PromptItem, sampling: dict[str, Any] | None = None) -> Group | None:
         """Generate and score one group for ``item`` (None when every sample failed)."""
@@ -149,8 +168,7 @@ class RolloutLoop:
             samples = await self.agent(item, gid)
         else:
             params = sampling or self.rc.sampling.to_sglang()
-            lists = await asyncio.gather(*(self._sample(b, params) for b in bases))
-            samples = [s for lst in lists for s in lst]
+            samples = await self._finish(await asyncio.gather(*(self._generate(b, params) for b in bases)))
         for i, s in enumerate(samples):  # generators may return several samples: renumber
             s.index, s.uid, s.group_id = i, f"{gid}-{i}", gid
         self.counts["samples"] += len(samples)
@@ -305,6 +323,10 @@ class RolloutLoop:
             self.data.flush()
 
     def start(self) -> None:
+        # Everything loaded so far (libraries, tokenizer, config) lives as long as the service: move
+        # it out of the cyclic GC's reach, or every full collection walks those millions of objects
+        # again while answers of thousands of tokens are being allocated.
+        gc.freeze()
         self.pusher.start()
         self.data.autosave = False
         for coro in [self.flush_cursor()] + ([self.poll_stats(), self.continuous()]
@@ -325,10 +347,6 @@ def _typename(x: Any) -> str:
     if isinstance(x, list):
         return "list of " + ", ".join(sorted({type(v).__name__ for v in x}) or {"nothing"})
     return type(x).__name__
-
-
-def _short(e: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, er['loc'])) or 'sample'}: {er['msg']}" for er in e.errors()[:3])
 
 
 def check_generator(fn: Any, spec: str) -> None:

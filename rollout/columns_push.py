@@ -1,0 +1,147 @@
+"""Checking generator output as columns: the rollout hot path's one validation of its samples.
+
+A group's samples, as a user generator returned them, are checked together with numpy over their
+concatenated token / loss-mask / logprob lists (one array per field for the whole group, not one
+pydantic validation per sample): per-token work is a few C loops. Only samples the fast check
+cannot clear (a flagged value, or a field of an unusual type, e.g. a numpy array) go through the
+row schema (``Sample.model_validate``), which either names the problem in the words the buffer's
+422 would use or returns the sample normalised (arrays to lists).
+
+Guarantees of ``check_outputs(samples)``:
+- a sample it passes satisfies every invariant of ``shared.schemas.Sample`` except the reward
+  (checked after scoring) and the ids (``uid``, ``group_id``, ``index``, ``weight_version``: the
+  loop sets them); ``status`` comes back as its string value;
+- a sample it fails gets the row schema's message (``loss_mask: Value error, len(loss_mask) (3) !=
+  response_length (4)``);
+- booleans inside the numeric lists are taken as 0 / 1, as the columnar encoder takes them.
+
+``copy_for_generator`` gives a generator its own sample: fresh lists and free-form containers, so
+a generator that mutates its input in place cannot reach another sample (cheaper than a deep copy:
+the token list is copied in C, free-form values only when they are containers).
+"""
+
+from __future__ import annotations
+
+import array
+import copy
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from headrace.shared.schemas import MAX_TOKEN_ID, Sample, SampleStatus, plain_json
+
+__all__ = ["check_outputs", "copy_for_generator", "revalidate"]
+
+_STATUSES = frozenset(s.value for s in SampleStatus)
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def copy_for_generator(base: Sample) -> Sample:
+    """``base`` with its own mutable fields (see the module docstring)."""
+    label = base.label
+    return base.model_copy(update={
+        "tokens": list(base.tokens), "loss_mask": list(base.loss_mask),
+        "rollout_logprobs": None if base.rollout_logprobs is None else list(base.rollout_logprobs),
+        "label": label if isinstance(label, _SCALARS) else copy.deepcopy(label),
+        "metadata": {k: v if isinstance(v, _SCALARS) else copy.deepcopy(v) for k, v in base.metadata.items()}})
+
+
+def revalidate(s: Sample) -> Sample:
+    """The row schema's check of a generator's output (reward checked after scoring): the sample
+    normalised, or ``ValidationError`` naming the field."""
+    d = s.model_dump(warnings=False)   # the values may be of any type: the validation names them
+    checked = Sample.model_validate({**d, "reward": d["reward"] if d["reward"] is not None else 0.0})
+    if s.reward is None:
+        checked = checked.model_copy(update={"reward": None})
+    return checked
+
+
+def _plain(s: Sample) -> bool:
+    """Every non-list field has exactly the type the schema wants (O(1) but free-form values)."""
+    if type(s.response_length) is not int or s.response_length < 0 or type(s.tokens) is not list:
+        return False
+    if type(s.loss_mask) is not list or not (s.rollout_logprobs is None or type(s.rollout_logprobs) is list):
+        return False
+    n = s.response_length
+    if len(s.loss_mask) != n or n > len(s.tokens) or (s.rollout_logprobs is not None and len(s.rollout_logprobs) != n):
+        return False
+    st = s.status
+    if isinstance(st, SampleStatus):
+        s.status = st = st.value
+    if st not in _STATUSES or not (s.prompt is None or type(s.prompt) is str):
+        return False
+    if not (s.response is None or type(s.response) is str) or type(s.metadata) is not dict:
+        return False
+    r = s.reward
+    if not (r is None or (type(r) in (int, float) and abs(r) != float("inf") and r == r)):
+        return False
+    if not (isinstance(s.label, _SCALARS) and all(type(k) is str and isinstance(v, _SCALARS)
+                                                  for k, v in s.metadata.items())):
+        try:
+            plain_json(s.label)
+            plain_json(s.metadata)
+        except ValueError:
+            return False
+        if not all(type(k) is str for k in s.metadata):
+            return False
+    return not (type(s.label) is int and not -(2**63) <= s.label < 2**63)
+
+
+def _owners(offsets: np.ndarray, flags: np.ndarray) -> np.ndarray:
+    hits = np.flatnonzero(flags)
+    return np.searchsorted(offsets, hits, side="right") - 1 if hits.size else hits
+
+
+def _flag_numbers(samples: list[Sample], field: str, typecode: str, bad: Any) -> np.ndarray | None:
+    """Owners of values failing ``bad`` in ``field`` over all ``samples``; None when the joined
+    values are not all of ``typecode`` ("q": ints, "d": numbers; then the row schema decides)."""
+    flat: list[Any] = []
+    offsets = [0]
+    for s in samples:
+        v = getattr(s, field)
+        if v:
+            flat.extend(v)
+        offsets.append(len(flat))
+    if not flat:
+        return np.zeros(0, dtype=np.int64)
+    try:   # array.array takes exactly ints / numbers, in C: the type check of every item
+        a = np.frombuffer(array.array(typecode, flat), dtype=np.int64 if typecode == "q" else np.float64)
+    except (TypeError, OverflowError):
+        return None
+    with np.errstate(invalid="ignore"):
+        return _owners(np.asarray(offsets, dtype=np.int64), bad(a))
+
+
+def check_outputs(samples: list[Sample]) -> list[tuple[Sample | None, str | None]]:
+    """Each sample checked: ``(sample, None)`` when valid (possibly a normalised copy), ``(None,
+    message)`` when not."""
+    plain = [_plain(s) for s in samples]
+    fast = [s for s, ok in zip(samples, plain) if ok]
+    suspect: set[int] = set()
+    if fast:
+        index = [i for i, ok in enumerate(plain) if ok]
+        checks = (("tokens", "q", lambda a: (a < 0) | (a > MAX_TOKEN_ID)),
+                  ("loss_mask", "q", lambda a: (a != 0) & (a != 1)),
+                  ("rollout_logprobs", "d", lambda a: ~np.isfinite(a) | (a > 0)))
+        for field, typecode, bad in checks:
+            owners = _flag_numbers(fast, field, typecode, bad)
+            if owners is None:
+                suspect.update(index)
+                break
+            suspect.update(index[j] for j in owners.tolist())
+    out: list[tuple[Sample | None, str | None]] = []
+    for i, s in enumerate(samples):
+        if plain[i] and i not in suspect:
+            out.append((s, None))
+            continue
+        try:
+            out.append((revalidate(s), None))
+        except ValidationError as e:
+            out.append((None, short(e)))
+    return out
+
+
+def short(e: ValidationError) -> str:
+    """The first three of a validation error's problems, each ``field: message``."""
+    return "; ".join(f"{'.'.join(map(str, er['loc'])) or 'sample'}: {er['msg']}" for er in e.errors()[:3])

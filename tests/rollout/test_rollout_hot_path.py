@@ -1,0 +1,144 @@
+"""The rollout hot path without per-sample pydantic: generator output is checked as columns once
+per group (rollout/columns_push.py), engine answers with numpy (rollout/transport.check_answer).
+
+The end-to-end test runs real processes (buffer, rollout service, reference engine) with a
+generator that breaks invariants and mutates its input: broken samples are failed with the row
+schema's message, the mutation reaches no other sample. The others call the checks directly on
+real Sample models and answer dicts (pure functions: nothing to mock).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from headrace.rollout.columns_push import check_outputs, copy_for_generator
+from headrace.rollout.loop import prompt_sample
+from headrace.rollout.transport import Retryable, check_answer
+from headrace.shared.schemas import Sample
+from tests.rollout.support import write_prompts
+
+
+def _sample(**kw: object) -> Sample:
+    s = prompt_sample(uid="g-0", group_id="g", tokens=[3, 4, 5], prompt="p", label=None, metadata={})
+    fields = dict(tokens=[3, 4, 5, 6, 7], response_length=2, loss_mask=[1, 0], rollout_logprobs=[-0.5, 0.0],
+                  status="truncated")
+    fields.update(kw)
+    for k, v in fields.items():
+        setattr(s, k, v)
+    return s
+
+
+BROKEN = [
+    (dict(loss_mask=[1, 0, 1]), "len(loss_mask) (3) != response_length (2)"),
+    (dict(loss_mask=[1, 2]), "loss_mask values must be 0 or 1"),
+    (dict(rollout_logprobs=[-0.5, 0.25]), "rollout_logprobs must be <= 0"),
+    (dict(rollout_logprobs=[-0.5, float("nan")]), "rollout_logprobs"),
+    (dict(rollout_logprobs=[-0.5]), "len(rollout_logprobs) (1) != response_length (2)"),
+    (dict(tokens=[3, -4, 5, 6, 7]), "token ids must be >= 0"),
+    (dict(tokens=[3, 4, 5, 6, 2**31]), "is not below 2^31"),
+    (dict(tokens=[3, 4.5, 5, 6, 7]), "tokens.1"),
+    (dict(tokens=[3, 4, 5, 6, "7"]), "tokens.4"),
+    (dict(response_length=9, loss_mask=[1] * 9, rollout_logprobs=None), "exceeds len(tokens)"),
+    (dict(status="bogus"), "status"),
+    (dict(metadata={"t": b"bytes"}), "metadata"),
+    (dict(label={1: "non-string key"}), "label"),
+    (dict(prompt=7), "prompt"),
+]
+
+
+@pytest.mark.parametrize("change, needle", BROKEN, ids=[n for _, n in BROKEN])
+def test_a_broken_sample_gets_the_schemas_message_and_only_it_fails(change: dict, needle: str) -> None:
+    group = [_sample(), _sample(**change), _sample(rollout_logprobs=None)]
+    out = check_outputs(group)
+    assert out[0] == (group[0], None) and out[2] == (group[2], None)
+    ok, why = out[1]
+    assert ok is None and why is not None and needle in why, why
+
+
+def test_unusual_but_valid_values_are_normalised_by_the_schema() -> None:
+    s = _sample(tokens=np.array([3, 4, 5, 6, 7]), loss_mask=[1, 1])
+    (ok, why), = check_outputs([s])
+    assert why is None and ok is not None and ok.tokens == [3, 4, 5, 6, 7] and type(ok.tokens) is list
+
+
+def test_the_generators_copy_shares_nothing_mutable() -> None:
+    base = prompt_sample(uid="g-0", group_id="g", tokens=[3, 4], prompt="p", label={"a": [1]},
+                         metadata={"m": {"x": 1}, "k": 2})
+    c = copy_for_generator(base)
+    c.tokens.append(9)
+    c.loss_mask.append(1)
+    c.label["a"].append(2)
+    c.metadata["m"]["x"] = 5
+    c.metadata["new"] = 1
+    assert base.tokens == [3, 4] and base.loss_mask == [] and base.label == {"a": [1]}
+    assert base.metadata == {"m": {"x": 1}, "k": 2}
+
+
+def _answer(ids: list, lps: list) -> dict:
+    return {"text": "", "output_ids": ids, "meta_info": {"finish_reason": {"type": "length"},
+                                                        "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
+
+
+@pytest.mark.parametrize("ids, lps", [([1, -2], [-0.1, -0.2]), ([1, 2.5], [-0.1, -0.2]), ([1, "2"], [-0.1, -0.2]),
+                                      ([1, 2], [-0.1, 0.5]), ([1, 2], [-0.1, float("inf")]), ([1, 2], [-0.1, "x"]),
+                                      ([1, 2], [-0.1, None])])
+def test_garbage_engine_answers_are_retryable(ids: list, lps: list) -> None:
+    with pytest.raises(Retryable):
+        check_answer(_answer(ids, lps), "http://e")
+
+
+def test_a_good_answer_passes_and_rounding_above_zero_is_clamped() -> None:
+    out = check_answer(_answer([1, 2, 3], [-0.1, 5e-7, 0]), "http://e")
+    assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == [-0.1, 0.0, 0]
+    assert check_answer(_answer([], []), "http://e")["output_ids"] == []
+
+
+GENERATOR = '''
+from headrace.rollout.generate import append_turn
+
+async def generate(ctx, sample, sampling):
+    prompt = list(sample.tokens)
+    sample.tokens.insert(0, 1)                  # mutate the input in place: its own copy only
+    sample.label["mine"] = sample.index
+    sample.metadata["mine"] = sample.index
+    del sample.tokens[0]
+    append_turn(sample, await ctx.generate(prompt, sampling))
+    if sample.index == 1:
+        sample.loss_mask = sample.loss_mask + [1]
+    if sample.index == 2:
+        sample.rollout_logprobs = [0.5] * sample.response_length
+    return sample
+'''
+
+REWARD = '''
+def reward(ctx, sample):
+    return 0.0
+'''
+
+
+def test_invalid_samples_fail_with_the_schemas_message_and_mutations_stay_local(tmp_path: Path, tiny_model: Path,
+                                                                                 stacks) -> None:
+    (tmp_path / "gen.py").write_text(GENERATOR)
+    (tmp_path / "rw.py").write_text(REWARD)
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4, lambda i: {"answer": str(i)})), "shuffle": False},
+        "n_samples_per_prompt": 4, "mode": "on_demand", "generate": f"{tmp_path}/gen.py:generate",
+        "reward": f"{tmp_path}/rw.py:reward", "sampling": {"max_new_tokens": 4, "ignore_eos": True}}).start()
+    r = s.post("/v1/generate_batch", {"groups": 1})
+    assert r.status_code == 200 and r.json()["groups"] == 1, r.text
+    [group] = s.lease_all()
+    by = {x.index: x for x in group.samples}
+    prompt = by[0].tokens[:by[0].prompt_length]
+    for i in (0, 3):
+        x = by[i]
+        assert x.status == "truncated" and x.reward == 0.0 and x.response_length == 4
+        assert x.label == {"answer": "0", "mine": i} and x.metadata["mine"] == i and x.tokens[:len(prompt)] == prompt
+    assert by[1].status == "failed" and by[1].reward is None
+    assert by[1].metadata["error"] == ("generator produced an invalid sample: loss_mask: Value error, "
+                                       "len(loss_mask) (5) != response_length (4)")
+    assert by[2].status == "failed" and "rollout_logprobs" in by[2].metadata["error"]
+    assert by[1].tokens == by[2].tokens == prompt and by[1].label == {"answer": "0"}   # the untouched prompt sample
+    assert s.status()["counts"]["samples_failed"] == 2
