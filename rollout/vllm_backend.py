@@ -24,9 +24,10 @@ Guarantees:
   here until ``/continue_generation``; ``/health`` answers 503 while paused (SGLang's /health cannot
   generate then), ``/get_model_info`` stays 200.
 - Start-up checks (exit 2 with one line naming the URL and the fix): the upstream must be vLLM
-  (``/version``), of the supported version, and in dev mode (its RL routes answer).
+  (``/version``), of the supported version, in dev mode (its RL routes answer), serving the model,
+  with Headrace's weight-transfer engine (``--weight-transfer-config '{"backend": "headrace"}'``).
 - Weight updates: ``rollout.vllm_weights`` (SGLang's update-group routes over vLLM's weight
-  transfer routes and Headrace's worker extension). Memory: ``/release_memory_occupation`` ->
+  transfer routes and Headrace's ``headrace`` transfer engine, a vLLM plugin). Memory: ``/release_memory_occupation`` ->
   ``/sleep``, ``/resume_memory_occupation`` -> ``/wake_up`` (on CPU vLLM frees nothing).
 - With ``HEADRACE_TOKEN`` set, every route but /health needs the bearer token, and vLLM is
   launched with ``--api-key`` (dev-mode vLLM exposes ``/collective_rpc``). Bodies are bounded.
@@ -79,7 +80,7 @@ def vllm_command(python: str, model: str, port: int, extra: list[str]) -> list[s
             "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
             "--max-num-seqs", "64", "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
             "--distributed-executor-backend", "uni",   # the worker inside the engine core: ~1.5 GB and one start-up less
-            "--worker-extension-cls", "headrace_vllm_ext.WeightSyncExtension", *extra]
+            "--weight-transfer-config", '{"backend": "headrace"}', *extra]   # headrace_vllm_ext's gloo engine
 
 
 def vllm_env(token: str | None) -> dict[str, str]:
@@ -175,7 +176,8 @@ class Adapter:
         if self.model not in served and Path(self.model).name not in served:
             return (f"{self.upstream} serves {served or 'no model'}, not {self.model} (the model the trainer "
                     f"loads and syncs): start vLLM with --model {self.model}")
-        return None
+        from headrace.rollout.vllm_weights import check_weight_transfer
+        return await check_weight_transfer(self)
 
     # ---- /generate ----
 

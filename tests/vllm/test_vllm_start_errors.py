@@ -1,7 +1,8 @@
 """Bad input at fleet start for ``backend: vllm`` (no vLLM needed: fake upstreams on loopback).
 
 An engine URL that is not vLLM, a vLLM of another version, and a vLLM without dev mode (its RL
-routes missing), without the token-in route, or serving another model than the trainer's each stop ``Fleet.start`` with one error that
+routes missing), without the token-in route, serving another model than the trainer's, or without
+Headrace's weight-transfer engine (or its version route) each stop ``Fleet.start`` with one error that
 names the engine and the fix. The adapter (``python -m headrace.rollout.vllm_backend``) is a real
 child process; the fake upstream is a stdlib HTTP server in this process.
 """
@@ -62,7 +63,12 @@ DEV = {"/version": (200, {"version": "0.32.0"}), "/is_paused": (200, {"is_paused
     ({"/version": (200, {"version": "0.32.0"})}, ["without dev mode", "VLLM_SERVER_DEV_MODE=1"]),
     ({**DEV, "/inference/v1/generate": (404, {})}, ["/inference/v1/generate", "--enable-scale-out"]),
     ({**DEV, "/v1/models": (200, {"data": [{"id": "other-model"}]})}, ["serves ['other-model']", "--model"]),
-], indirect=["upstream"], ids=["not-vllm", "version", "no-dev-mode", "no-scale-out", "other-model"])
+    ({**DEV, "/server_info": (200, {"vllm_config": {"weight_transfer_config": None}})},
+     ["without Headrace's weight-transfer engine", """--weight-transfer-config '{"backend": "headrace"}'""",
+      "build_vllm_venv"]),
+    ({**DEV, "/weight_info": (404, {})}, ["does not report its weight version"]),
+], indirect=["upstream"], ids=["not-vllm", "version", "no-dev-mode", "no-scale-out", "other-model", "no-transfer-engine",
+                               "no-weight-info"])
 def test_fleet_start_names_the_engine_and_the_fix(upstream: str, words: list[str], tiny_model: Path,
                                                   tmp_path: Path) -> None:
     cfg = EnginesConfig(backend="vllm", urls=[upstream], startup_timeout_s=120, restart=False)
