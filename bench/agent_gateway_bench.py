@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -61,16 +62,29 @@ from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 # the service-side code of both paths; each call appends "kind seconds completion_tokens" to the
 # file named by HEADRACE_BENCH_TIMES
 PLUGIN = '''
-import os, time
+import gc, os, time
 
 from headrace.rollout.generate import append_tokens, append_turn
 
 USER = "Go on."
+_GC = {"t": 0.0, "start": 0.0}
+
+
+def _gc(phase, info):   # the service's garbage-collection CPU time so far (written with each call's line)
+    if phase == "start":
+        _GC["start"] = time.process_time()
+    else:
+        _GC["t"] += time.process_time() - _GC["start"]
+
+
+gc.callbacks.append(_gc)
 
 
 def _log(kind, dt, n):
     with open(os.environ["HEADRACE_BENCH_TIMES"], "a") as f:
         f.write(f"{kind} {dt:.6f} {n}\\n")
+    with open(os.environ["HEADRACE_BENCH_TIMES"] + f".gc.{os.getpid()}", "w") as f:
+        f.write(f"{_GC['t']:.6f}")
 
 
 async def generate(ctx, sample, sampling):
@@ -135,6 +149,12 @@ async def _external(url: str, groups: int, n: int, turns: int, first: int) -> li
     return calls
 
 
+def gc_seconds(times: Path, pid: int) -> float:
+    """The garbage-collection CPU seconds the bench plugin counted in service ``pid`` so far."""
+    f = times.parent / f"{times.name}.gc.{pid}"
+    return float(f.read_text() or 0) if f.exists() else 0.0
+
+
 def read_calls(path: Path) -> list[tuple[str, float, int]]:
     if not path.exists():
         return []
@@ -152,6 +172,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     ap.add_argument("--external", action="store_true",
                     help="also time external agents: this process drives episodes over loopback HTTP")
+    ap.add_argument("--py-spy", metavar="PREFIX", default=None,
+                    help="sample each service with py-spy during the timed rounds: PREFIX-<path>.txt "
+                         "(collapsed stacks)")
     args = ap.parse_args()
 
     from headrace.shared.modelzoo import init_model
@@ -210,11 +233,17 @@ def main() -> None:
         per_call: dict[str, list[float]] = {k: [] for k in urls}
         tps: dict[str, list[float]] = {k: [] for k in urls}
         cpu = dict.fromkeys(urls, 0.0)
+        gcs = dict.fromkeys(urls, 0.0)
+        spies = [Proc([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pids[k]), "--nonblocking",
+                       "--rate", "250", "--format", "raw", "-o", f"{args.py_spy}-{k}.txt"], tmp / f"py-spy-{k}.log")
+                 for k in ("generate", "gateway")] if args.py_spy else []
+        procs += spies
+        time.sleep(1.0 if spies else 0.0)   # py-spy attached before the first timed round
         order = list(urls)
         for r in range(args.rounds):   # alternate the order so drifting background load hits both alike
             for kind in order[r % 2:] + order[:r % 2]:
-                times.unlink(missing_ok=True)
-                c0 = cpu_seconds(pids[kind])
+                times.unlink(missing_ok=True)   # the call log only (each service's GC total stays)
+                c0, g0 = cpu_seconds(pids[kind]), gc_seconds(times, pids[kind])
                 if kind == "external":
                     t0 = time.perf_counter()
                     calls = asyncio.run(_external(urls[kind], args.groups, args.n, args.turns, 1 + r))
@@ -222,6 +251,7 @@ def main() -> None:
                 else:
                     wall = batch_round(urls[kind], args.groups)
                 cpu[kind] += cpu_seconds(pids[kind]) - c0
+                gcs[kind] += gc_seconds(times, pids[kind]) - g0
                 if kind != "external":
                     calls = [c for c in read_calls(times) if c[0] == kind]
                 assert len(calls) == concurrent * args.turns, (kind, len(calls))
@@ -231,6 +261,9 @@ def main() -> None:
                 tps[kind].append(sum(c[2] for c in calls) / wall)
             print(f"round {r}: " + ", ".join(f"{k} {statistics.median(per_call[k][-concurrent * args.turns:]) * 1e3:.0f} ms/call "
                                              f"{tps[k][-1]:.0f} tok/s" for k in urls), flush=True)
+        for spy in spies:   # SIGINT: py-spy writes its file and exits
+            spy.popen.send_signal(signal.SIGINT)
+            spy.popen.wait(60)
         med = {k: statistics.median(v) for k, v in per_call.items()}
         ratio = med["gateway"] / med["generate"]
         result = {"bench": "agent_gateway", "preset": args.preset, "concurrent_episodes": concurrent,
@@ -243,6 +276,8 @@ def main() -> None:
                   "tokens_per_s_ratio": round(statistics.median(tps["gateway"]) / statistics.median(tps["generate"]), 3),
                   "service_cpu_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
                                               for k, v in cpu.items()},
+                  "service_gc_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
+                                             for k, v in gcs.items() if k != "external"},
                   "generate_round_s": round(statistics.median(walls["generate"]), 3),
                   "gateway_round_s": round(statistics.median(walls["gateway"]), 3)}
         if args.external:

@@ -14,6 +14,7 @@ from typing import Any
 from headrace.rollout.gateway.agents import AgentFn, AgentRunner
 from headrace.rollout.gateway.calls import Calls
 from headrace.rollout.gateway.episodes import EpisodeContext, EpisodeStore
+from headrace.rollout.gateway.inproc import direct_routes
 from headrace.rollout.generate import EngineClient
 from headrace.rollout.rewards import RewardFn
 from headrace.shared.config import HeadraceConfig
@@ -43,12 +44,15 @@ class Gateway:
         self.store = EpisodeStore(tokenizer, reward_fn, ctx, push, run_id, rc.gateway.episode_timeout_s,
                                   rc.reward_timeout_s, lambda: engine.gate.version)
         self.calls = Calls(rc, engine, tokenizer, self.store, self.model_name)
-        limited = BodyLimit(app, int(rc.max_body_mb * 1024 * 1024), "rollout.max_body_mb") if app else None
-        self.agent = AgentRunner(agent_fn, self.store, local_url(rc.host, rc.port), rc,
-                                 rc.n_samples_per_prompt, limited) if agent_fn else None
+        max_body = int(rc.max_body_mb * 1024 * 1024)
+        limited = BodyLimit(app, max_body, "rollout.max_body_mb") if app else None
+        self.agent = AgentRunner(agent_fn, self.store, local_url(rc.host, rc.port), rc, rc.n_samples_per_prompt,
+                                 limited, lambda: direct_routes(app), max_body) if agent_fn else None
 
     def start(self) -> None:
         self.store.start()
+        if self.agent is not None:
+            self.agent.start()
 
     async def stop(self) -> None:
         await self.store.stop()

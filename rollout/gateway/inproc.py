@@ -10,6 +10,11 @@ Guarantees:
   limit (``shared.serving.BodyLimit`` with ``rollout.max_body_mb``), authentication (the episode key
   under ``/openai/``, the run token elsewhere), strict validation, recording and the OpenAI answer
   and error shapes; the client sees the same status, headers and body bytes.
+- The chat and text completion POSTs (``direct_routes``) skip the ASGI middleware and
+  routing layers, which do nothing else for those paths: the transport applies the body limit
+  itself (a body over it goes through the app, whose ``BodyLimit`` answers the 413) and calls the
+  route's own handler; its response is sent through the same ASGI ``send``, so status, headers and
+  body bytes are the ones the route answers over a socket. Other requests go through the whole app.
 - Requests for any other origin than the service's own go out over the network as usual.
 - One ``SharedClient`` serves every episode (an in-process transport holds no connections); an
   agent closing its client leaves it open for the others.
@@ -22,12 +27,25 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote
 
 log = logging.getLogger("headrace.rollout.gateway")
 
 _ASGI = {"version": "3.0", "spec_version": "2.4"}
+DIRECT_STATE = "gateway_direct_routes"   # app.state attribute: {path: handler}, set by ``routes.mount``
+
+
+def direct_routes(app: Any) -> dict[str, Any]:
+    """``{path: async handler(authorization, body) -> Response}`` for POSTs to the chat and text
+    completion routes of ``app`` (``routes.mount`` publishes them), or ``{}``: when they are not
+    mounted, or when the app has a middleware that does not declare ``passes_openai_through`` (the
+    gateway's auth lets ``/openai/`` through untouched; another middleware might act on these paths)."""
+    routes = getattr(getattr(app, "state", None), DIRECT_STATE, None)
+    middleware = getattr(app, "user_middleware", None)
+    if not routes or middleware is None or not all(getattr(m.cls, "passes_openai_through", False) for m in middleware):
+        return {}
+    return dict(routes)
 
 
 def http_library() -> Any:
@@ -50,13 +68,20 @@ class AppTransport:
     """Requests to ``origin`` (``http://host:port``) served by ``app`` in-process; others over the
     network. A transport of ``http`` (httpx or httpx2: the same transport interface)."""
 
-    def __init__(self, app: Any, origin: str, http: Any) -> None:
+    def __init__(self, app: Any, origin: str, http: Any, direct: Callable[[], dict[str, Any]] | None = None,
+                 max_body: int | None = None) -> None:
+        """``direct()``: the routes served without the ASGI layers (``direct_routes``), looked
+        up at the first request (the routes are mounted by then); ``max_body``: the body limit of
+        ``app`` (``BodyLimit``), which those requests must be under."""
         self.app = app
         self.http = http
         url = http.URL(origin)
         self.origin = (url.scheme, url.host, url.port)
         self.server = (url.host, url.port or 80)
         self._net: Any = None
+        self._direct_fn = direct if max_body is not None else None
+        self._direct: dict[str, Any] | None = None
+        self.max_body = max_body if max_body is not None else -1
 
     async def __aenter__(self) -> "AppTransport":
         return self
@@ -77,6 +102,11 @@ class AppTransport:
                  "scheme": url.scheme, "path": unquote(path.decode("ascii")), "raw_path": path,
                  "query_string": query, "root_path": "", "headers": [(k.lower(), v) for k, v in request.headers.raw],
                  "client": ("127.0.0.1", 0), "server": self.server, "state": {}}
+        handler = None
+        if request.method == "POST" and not query and len(body) <= self.max_body:
+            if self._direct is None:
+                self._direct = self._direct_fn() if self._direct_fn is not None else {}
+            handler = self._direct.get(scope["path"])
         status, headers, chunks = 500, [], []
         started = False
         done = asyncio.Event()
@@ -100,7 +130,12 @@ class AppTransport:
                     done.set()
 
         try:
-            await self.app(scope, receive, send)
+            if handler is not None:   # as Starlette's Request.headers.get: the first one, latin-1
+                auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+                response = await handler(auth, body)
+                await response(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
         except Exception:
             log.exception("in-process request %s %s failed", request.method, url.path)
             if not started:

@@ -17,8 +17,11 @@ Guarantees:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from headrace.rollout.generate import STATUS
 from headrace.shared.schemas import Sample
@@ -77,18 +80,83 @@ class Segment:
             response=tokenizer.decode(response, skip_special_tokens=True), **fields)
 
 
+class _Lru:
+    """A small least-recently-used map (renders and encodings shared by episodes)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.data: OrderedDict[Any, Any] = OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        value = self.data.get(key)
+        if value is not None:
+            self.data.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: Any) -> None:
+        self.data[key] = value
+        if len(self.data) > self.size:
+            self.data.popitem(last=False)
+
+
 class Recorder:
-    """Renders and tokenizes with one tokenizer; decides continue-or-break for each call."""
+    """Renders and tokenizes with one tokenizer; decides continue-or-break for each call.
+
+    Renders and encodings are cached (``CACHE_ENTRIES`` each, texts up to ``CACHE_CHARS``): the n
+    episodes of a prompt send the same first request, and the template is a pure function of the
+    messages and tools (a template that reads the clock, ``strftime_now``, is never cached). The
+    cache returns what the template and tokenizer would: a render is keyed by the exact JSON of
+    messages, tools and the generation flag, an encoding by its text; ids are handed out as copies."""
+
+    CACHE_ENTRIES = 256
+    CACHE_CHARS = 32_768
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
         self._turn_end: str | None = None
+        template = getattr(tokenizer, "chat_template", None)
+        self._cache_renders = not (isinstance(template, str) and "strftime_now" in template)
+        self._renders = _Lru(self.CACHE_ENTRIES)
+        self._encodings = _Lru(self.CACHE_ENTRIES)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"]) if text else []
+        """``tokenizer(text, add_special_tokens=False)["input_ids"]``, the same ids. A fast tokenizer's
+        Rust backend is called directly when it is in the state that call would put it in (no
+        truncation, no padding, special tokens not split): transformers' own call batches one text
+        through ``encode_batch`` (rayon's worker threads) and converts the result, ~3x the CPU of the
+        encoding itself on every gateway call."""
+        if not text:
+            return []
+        cached = self._encodings.get(text)
+        if cached is not None:
+            return list(cached)
+        backend = getattr(self.tok, "_tokenizer", None)
+        if (backend is not None and hasattr(backend, "encode") and backend.truncation is None
+                and backend.padding is None
+                and backend.encode_special_tokens == bool(getattr(self.tok, "split_special_tokens", False))):
+            ids = backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
+        if len(text) <= self.CACHE_CHARS:
+            self._encodings.put(text, tuple(ids))
+        return ids
 
     def render(self, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation: bool) -> str:
-        return self.tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=generation, tokenize=False)
+        key = None
+        if self._cache_renders:
+            try:
+                key = orjson.dumps([msgs, tools or None, generation])
+            except TypeError:         # not JSON (e.g. an integer past 64 bits): rendered, not cached
+                key = None
+            if key is not None and len(key) > self.CACHE_CHARS:
+                key = None
+            text = self._renders.get(key) if key is not None else None
+            if text is not None:
+                return text
+        text = self.tok.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=generation, tokenize=False)
+        if key is not None:
+            self._renders.put(key, text)
+        return text
 
     @property
     def turn_end(self) -> str:

@@ -7,6 +7,10 @@
   as the bearer token instead of the run token (``protect`` below lets ``/openai/`` through the run
   token's check; these routes check the key themselves); errors in OpenAI's shape.
 Every body is bounded by ``rollout.max_body_mb`` (``shared.serving.BodyLimit`` around the app).
+
+``mount`` also publishes the two OpenAI POST routes as plain ``(authorization, body) -> Response``
+handlers (``inproc.direct_routes``), for in-process callers that bring a whole body: the same code
+the routes run, without the ASGI middleware and routing layers, which do nothing else for these paths.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
+from headrace.rollout.gateway.inproc import DIRECT_STATE
 from headrace.rollout.gateway.openai_api import (ApiError, ChatRequest, CompletionRequest, chat_chunks,
                                                  completion_chunks, parse)
 from headrace.shared.auth import BearerAuth, Guard
@@ -27,6 +32,8 @@ if TYPE_CHECKING:
     from headrace.rollout.gateway.gateway import Gateway
 
 OPENAI_PREFIX = "/openai/"
+CHAT_PATH = "/openai/v1/chat/completions"
+COMPLETIONS_PATH = "/openai/v1/completions"
 
 
 class OpenEpisode(BaseModel):
@@ -46,6 +53,8 @@ class FinishEpisode(BaseModel):
 
 class _GatewayAuth(BearerAuth):
     """The run token everywhere but under /openai/, where the routes check an episode key."""
+
+    passes_openai_through = True   # what ``inproc.direct_routes`` relies on
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith(OPENAI_PREFIX):
@@ -96,12 +105,12 @@ def mount(app: FastAPI, gateway: "Any") -> None:
             raise http_error(e) from None
         return {"episode_id": ep.id, "state": ep.state, "samples": len(ep.samples), "error": ep.error}
 
-    async def _openai(request: Request, model: Any, call: Any, chunks: Any) -> Response:
+    async def _openai(authorization: str | None, body: bytes, model: Any, call: Any, chunks: Any) -> Response:
         """One OpenAI call: the episode from its key, the body, the call; JSON or server-sent events."""
         try:
             g = gw()
-            ep = g.store.authenticate(request.headers.get("authorization"))
-            req = parse(model, await request.body())
+            ep = g.store.authenticate(authorization)
+            req = parse(model, body)
             answer = await call(g.calls)(ep, req)
         except ApiError as e:
             gw().store.counts["refused_calls"] += e.status < 500
@@ -111,16 +120,23 @@ def mount(app: FastAPI, gateway: "Any") -> None:
             return StreamingResponse(chunks(answer, usage), media_type="text/event-stream")
         return Response(orjson.dumps(answer), media_type="application/json")
 
+    async def chat_call(authorization: str | None, body: bytes) -> Response:
+        return await _openai(authorization, body, ChatRequest, lambda calls: calls.chat, chat_chunks)
+
+    async def completion_call(authorization: str | None, body: bytes) -> Response:
+        return await _openai(authorization, body, CompletionRequest, lambda calls: calls.completion, completion_chunks)
+
     async def chat(request: Request) -> Response:
-        return await _openai(request, ChatRequest, lambda calls: calls.chat, chat_chunks)
+        return await chat_call(request.headers.get("authorization"), await request.body())
 
     async def completions(request: Request) -> Response:
-        return await _openai(request, CompletionRequest, lambda calls: calls.completion, completion_chunks)
+        return await completion_call(request.headers.get("authorization"), await request.body())
 
     # plain Starlette routes: they read and validate their body themselves (``parse``), so FastAPI's
     # per-request dependency solving and response encoding would be pure overhead on the hot path
-    app.add_route("/openai/v1/chat/completions", chat, methods=["POST"])
-    app.add_route("/openai/v1/completions", completions, methods=["POST"])
+    app.add_route(CHAT_PATH, chat, methods=["POST"])
+    app.add_route(COMPLETIONS_PATH, completions, methods=["POST"])
+    setattr(app.state, DIRECT_STATE, {CHAT_PATH: chat_call, COMPLETIONS_PATH: completion_call})
 
     def _model(g: "Gateway") -> dict[str, Any]:
         return {"id": g.model_name, "object": "model", "created": 0, "owned_by": "headrace"}

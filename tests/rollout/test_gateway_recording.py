@@ -129,3 +129,34 @@ def test_bad_messages() -> None:
     req = parse(ChatRequest, json.dumps({"model": "m", "messages": [bad_call]}).encode())
     with pytest.raises(ApiError, match="not valid JSON"):
         template_messages(req.messages)
+
+
+def test_encode_and_render_caches_answer_what_the_tokenizer_does(tok) -> None:
+    rec = Recorder(tok)
+    texts = ["<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n", " héllo 世界\n\n",
+             '<tool_call>\n{"name": "calc", "arguments": {"e": "1+2"}}\n</tool_call>', "x" * 40_000]
+    for t in texts * 2:            # the second pass is served from the cache (the long text is not cached)
+        ids = rec.encode(t)
+        assert ids == list(tok(t, add_special_tokens=False)["input_ids"])
+        ids.append(-1)             # the caller owns its list: the cache is not changed through it
+    assert rec.encode(texts[0]) == list(tok(texts[0], add_special_tokens=False)["input_ids"])
+    tok("a b c d e f", truncation=True, max_length=2)   # leaves the fast backend truncating ...
+    try:
+        assert rec.encode("a b c d e f") == list(tok("a b c d e f", add_special_tokens=False)["input_ids"])
+    finally:
+        tok("reset")                                  # ... until transformers' next plain call resets it
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    for tools in (None, TOOLS):
+        for gen in (True, False):
+            for _ in range(2):
+                assert rec.render(msgs, tools, gen) == tok.apply_chat_template(
+                    msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
+    big = [{"role": "user", "content": "n", "name": 2**70}]   # not JSON for the cache key: rendered anyway
+    assert rec.render(big, None, True) == tok.apply_chat_template(big, add_generation_prompt=True, tokenize=False)
+
+
+def test_a_clock_reading_template_is_never_cached(tok) -> None:
+    rec = Recorder(tok)
+    assert rec._cache_renders
+    tok2 = type("T", (), {"chat_template": "{{ strftime_now('%d %b %Y') }}"})()
+    assert not Recorder(tok2)._cache_renders
