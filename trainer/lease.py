@@ -7,7 +7,9 @@ half; validation happens once, so every rank agrees whether a batch is bad and n
 collective; and advantages and loss normalisers need the whole batch's rewards and token counts,
 which every rank then has without extra communication. The batch is token ids and a few floats per
 token: broadcasting it costs little next to a training step. ``trainer.batch`` then gives each DP
-rank a token-balanced share.
+rank a token-balanced share. Leases arrive as columns (``BufferClient.lease_columns``, validated with
+numpy on arrival) and become the batch's arrays directly (``trainer.batch_columns``): no Python
+object per token on the way from the buffer to the packed tensors.
 
 Guarantees (DESIGN.md "Exactly-once consumption"):
 - A group is acked only once a durable checkpoint contains the update it went into: ``hold``
@@ -51,6 +53,7 @@ from headrace.shared.client import BufferError
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.staleness import lease_floor
 from headrace.trainer.batch import BadBatchError, TrainBatch, build_batch
+from headrace.trainer.batch_columns import build_batch_columns
 from headrace.trainer.buffer_link import LeaseKeeper, expired, retrying
 
 log = logging.getLogger("headrace.trainer")
@@ -132,7 +135,7 @@ class LeaseSource:
         while True:
             if self.stop.requested:
                 return {"kind": "stop", "reason": "stop requested (SIGTERM) while waiting for groups"}
-            lease = self._call("lease", "lease", n, lease_s=self.cfg.buffer.lease_s,
+            lease = self._call("lease", self._lease_method, n, lease_s=self.cfg.buffer.lease_s,
                                wait_s=min(STOP_POLL_S, max(0.05, attempt + wait_s - time.perf_counter())),
                                min_weight_version=self.min_version or None)
             if lease is None:
@@ -148,9 +151,8 @@ class LeaseSource:
                 if self.on_wait is not None:
                     self.on_wait()
                 continue
-            self.groups_leased += len(lease.groups)
             try:
-                batch = build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+                batch = self._batch(lease)
             except BadBatchError as e:
                 stop = self._reject(lease.lease_id, e)
                 if stop is not None:
@@ -159,8 +161,21 @@ class LeaseSource:
                 continue
             if self.keeper is not None:
                 self.keeper.track(lease.lease_id, trained=False)
-            wv = min(g.weight_version for g in lease.groups)
+            wv = int(batch.weight_version.min())   # a group's version is the minimum over its samples
             return {"kind": "batch", "leased": Leased(lease.lease_id, batch, wv, time.perf_counter() - t0)}
+
+    @property
+    def _lease_method(self) -> str:
+        """Columns (``BufferClient.lease_columns``), or rows from a client without them (a test double)."""
+        return "lease_columns" if hasattr(self.client, "lease_columns") else "lease"
+
+    def _batch(self, lease: Any) -> TrainBatch:
+        """The lease's groups as a validated batch; counts them as leased first (``BadBatchError``)."""
+        cols = getattr(lease, "columns", None)
+        self.groups_leased += len(lease.groups) if cols is None else cols.num_groups
+        if cols is None:
+            return build_batch(lease.groups, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+        return build_batch_columns(cols, vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
 
     def _reject(self, lease_id: str, e: BadBatchError) -> dict[str, Any] | None:
         """Dead-letter the bad groups of a lease (the rest go back to the queue); the error message
