@@ -47,6 +47,7 @@ SAMPLE_BINS = {"group_index": "<i4", "weight_version": "<i8", "reward": "<f8", "
 GROUP_LISTS = ("group_id", "metadata")
 SAMPLE_LISTS = ("uid", "status", "prompt", "response", "label", "metadata")
 _STATUSES = frozenset(s.value for s in SampleStatus)
+_FAILED = SampleStatus.failed.value   # an enum's .value is a slow property: read it once
 _SAMPLE_KEYS = frozenset(Sample.model_fields)
 _GROUP_KEYS = frozenset(Group.model_fields)
 
@@ -392,7 +393,7 @@ def validate(cols: Columns) -> None:
             column_only[_owners(ro, (lp != 0) & ~has_r)] = True
     else:
         column_only = np.zeros(S, dtype=bool)
-    failed = np.array([st == SampleStatus.failed.value for st in cols.status], dtype=bool)
+    failed = np.array([st == _FAILED for st in cols.status], dtype=bool)
     with np.errstate(invalid="ignore"):
         bad |= np.isinf(cols.reward) | (np.isnan(cols.reward) & ~failed)
     bad |= (cols.group_index < 0) | (cols.weight_version < 0)

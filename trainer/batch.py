@@ -119,8 +119,11 @@ class TrainBatch:
     def __post_init__(self) -> None:
         self.response_offsets = _cuts(self.lengths - self.prompt_lens)
         self.failed = np.isnan(self.reward)
-        cs = _cuts(self.loss_mask)
-        self.trained_tokens = np.where(self.failed, 0, cs[self.response_offsets[1:]] - cs[self.response_offsets[:-1]])
+        starts, nonempty = self.response_offsets[:-1], np.diff(self.response_offsets) > 0
+        self.trained_tokens = np.zeros(len(self.failed), dtype=np.int64)   # sum of loss_mask; 0 when failed
+        if nonempty.any():   # a segment of reduceat runs to the next start given: the empty ones add nothing
+            self.trained_tokens[nonempty] = np.add.reduceat(self.loss_mask, starts[nonempty], dtype=np.int64)
+        self.trained_tokens[self.failed] = 0
         self._samples: list[SampleRow] | None = None
 
     def __getstate__(self) -> dict[str, Any]:   # broadcast to the other ranks: arrays only

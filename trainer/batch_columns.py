@@ -17,7 +17,10 @@ import numpy as np
 
 from headrace.shared.columns import Columns
 from headrace.shared.schemas import SampleStatus
-from headrace.trainer.batch import BadBatchError, TrainBatch, _cuts, _finish, _group_rows, _raise_problems
+from headrace.trainer.batch import BadBatchError, TrainBatch, _finish, _group_rows, _raise_problems
+
+
+_FAILED = SampleStatus.failed.value   # an enum's .value is a slow property: read it once
 
 
 def _owners(offsets: np.ndarray, flags: np.ndarray) -> np.ndarray:
@@ -28,11 +31,12 @@ def _owners(offsets: np.ndarray, flags: np.ndarray) -> np.ndarray:
 def _flag_samples(b: TrainBatch, group_of: np.ndarray, vocab_size: int, max_seq_len: int | None) -> np.ndarray:
     """Samples (not failed) that may break a rule of ``_group_rows``: bool [B]; may flag more, never less."""
     ok = ~b.failed
-    lengths = b.lengths
+    tokens = b.tokens
     bad = np.zeros(len(ok), dtype=bool)
-    bad[_owners(b.token_offsets, (b.tokens < 0) | (b.tokens >= vocab_size))] = True
+    if tokens.size and (int(tokens.max()) >= vocab_size or int(tokens.min()) < 0):  # two fast passes in the common case
+        bad[_owners(b.token_offsets, (tokens < 0) | (tokens >= vocab_size))] = True
     if max_seq_len is not None:
-        bad |= lengths > max_seq_len
+        bad |= b.lengths > max_seq_len
     bad |= b.prompt_lens < 1
     bad |= ~np.isfinite(b.reward)
     # the prompt of every sample that is not failed equals that of its group's first such sample
@@ -42,13 +46,11 @@ def _flag_samples(b: TrainBatch, group_of: np.ndarray, vocab_size: int, max_seq_
         starts = np.ones(len(idx), dtype=bool)
         starts[1:] = g[1:] != g[:-1]
         ref = idx[starts][np.cumsum(starts) - 1]
-        same_len = b.prompt_lens[idx] == b.prompt_lens[ref]
-        bad[idx[~same_len]] = True
-        j, r = idx[same_len], ref[same_len]
-        p = b.prompt_lens[j]
-        within = np.arange(int(p.sum()), dtype=np.int64) - np.repeat(_cuts(p)[:-1], p)
-        diff = b.tokens[np.repeat(b.token_offsets[j], p) + within] != b.tokens[np.repeat(b.token_offsets[r], p) + within]
-        bad[j[_owners(_cuts(p), diff)]] = True
+        to, pl = b.token_offsets.tolist(), b.prompt_lens.tolist()
+        for j, r in zip(idx[~starts].tolist(), ref[~starts].tolist()):   # one memcmp per sample
+            p = pl[j]
+            if p != pl[r] or tokens[to[j]:to[j] + p].tobytes() != tokens[to[r]:to[r] + p].tobytes():
+                bad[j] = True
     return bad & ok
 
 
@@ -60,8 +62,7 @@ def build_batch_columns(cols: Columns, *, vocab_size: int, max_seq_len: int | No
     group_of = np.repeat(np.arange(cols.num_groups, dtype=np.int64), sizes)
     order = np.lexsort((cols.group_index, group_of))
     ordered = bool((order == np.arange(len(order))).all())
-    failed = np.isnan(cols.reward) | np.fromiter((s == SampleStatus.failed.value for s in cols.status), bool,
-                                                 len(cols.status))
+    failed = np.isnan(cols.reward) | np.array([s == _FAILED for s in cols.status], dtype=bool)
     has = cols.has_logprobs.astype(bool) & ~failed
     lengths = np.diff(cols.token_offsets)
     b = TrainBatch(list(cols.group_id), sizes.tolist(), list(cols.uid), cols.tokens, cols.token_offsets,
