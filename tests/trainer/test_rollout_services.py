@@ -131,7 +131,7 @@ def test_a_weight_sync_failure_names_the_engine_and_its_service(tmp_path, two, m
         raise WeightSyncError("http://127.0.0.1:7003: connection refused", ["http://127.0.0.1:7003"])
 
     ctl.sender = SimpleNamespace(connected=True, update=update, close=lambda: None)
-    st = SimpleNamespace(policy_version=1, model=SimpleNamespace(hf_state_dict=lambda: iter([("w", None)])))
+    st = SimpleNamespace(policy_version=1, model=SimpleNamespace(hf_state_dict=lambda **kw: iter([("w", None)])))
     with pytest.raises(WeightSyncError, match=f"engine http://127.0.0.1:7003 of rollout service {b.url}"):
         ctl.sync_weights(st)
     ctl.close()
