@@ -2,7 +2,9 @@
 
 Guarantees:
 - POST /v1/groups answers 200 only after the store committed the request (see store.py for what
-  "committed" survives); 422 / 413 / 429 store nothing.
+  "committed" survives: ``buffer.durability``); 422 / 413 / 429 store nothing. Requests parsed
+  while the store is busy are committed together (group commit: one transaction, one fsync), each
+  answered after that commit, each all or nothing on its own.
 - Every SQLite call runs on one dedicated thread, and decoding + validation of large bodies on a
   worker thread, so the event loop keeps answering (health, stats, other leases) meanwhile.
   A lease with ``wait_s`` waits on an asyncio condition, never on a thread.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -39,7 +42,7 @@ from starlette.responses import Response
 from headrace.buffer.ingest import parse_groups
 from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
 from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, NotInLease
-from headrace.buffer.store import Lease, Store
+from headrace.buffer.store import GroupRow, Lease, PostResult, Store
 from headrace.shared import columns, wire
 from headrace.shared.auth import Guard
 from headrace.shared.config import AuthConfig, BufferConfig
@@ -56,6 +59,16 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _Post:
+    """One request in the group-commit queue, and what the commit answered for it."""
+
+    __slots__ = ("rows", "result")
+
+    def __init__(self, rows: list[GroupRow]) -> None:
+        self.rows = rows
+        self.result: PostResult | BaseException | None = None
+
+
 class BufferService:
     """Owns the store, its thread, the lease waiters and the metrics of one buffer."""
 
@@ -69,13 +82,42 @@ class BufferService:
         self.generation = 0  # bumped whenever groups may have become leasable
         self.in_flight = 0  # HTTP requests being served
         self.waiting = 0  # of which leases waiting for groups (housekeeping runs when no other is in flight)
+        self._posts: list[_Post] = []  # parsed POST /v1/groups waiting for the next group commit
+        self._posts_lock = threading.Lock()
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.db_thread, partial(fn, *args))
 
     async def start(self) -> None:
         path = None if self.cfg.memory else (self.cfg.db or "buffer.sqlite")
-        self.store = await self.db(Store, path, self.cfg.capacity, self.cfg.max_staleness)
+        self.store = await self.db(Store, path, self.cfg.capacity, self.cfg.max_staleness, self.cfg.durability)
+
+    async def post(self, rows: list[GroupRow]) -> PostResult:
+        """Store one request's groups by group commit: every request parsed while the store's thread
+        was busy is stored by the next ``Store.post_many`` (one transaction, one commit), and each is
+        answered after that commit. Raises ``BufferFull`` for this request alone."""
+        mine = _Post(rows)
+        with self._posts_lock:
+            self._posts.append(mine)
+        await self.db(self._commit_posts)   # FIFO thread: when it returns, a commit holding ``mine`` is done
+        if isinstance(mine.result, BaseException):
+            raise mine.result
+        assert mine.result is not None, "group commit left a request unanswered"
+        return mine.result
+
+    def _commit_posts(self) -> None:
+        """On the store's thread: store every waiting request (none: an earlier call took them)."""
+        assert self.store is not None
+        with self._posts_lock:
+            batch, self._posts = self._posts, []
+        if not batch:
+            return
+        try:
+            results: list[Any] = self.store.post_many([p.rows for p in batch])
+        except Exception as e:  # the transaction failed: nothing of the batch is stored
+            results = [e] * len(batch)
+        for p, r in zip(batch, results):
+            p.result = r
 
     async def stop(self) -> None:
         if self.store is not None:
@@ -205,7 +247,7 @@ def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
             store.count("rejected", getattr(e, "groups", 1))
             return _error(request, e.status, e.message)
         try:
-            res = await svc.db(store.post, rows)
+            res = await svc.post(rows)
         except BufferFull as e:
             return _error(request, 429, str(e), {"Retry-After": str(e.retry_after_s)})
         svc.metrics.ingest_bytes.inc(len(body))

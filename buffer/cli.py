@@ -28,6 +28,8 @@ def serve(
     port: Optional[int] = typer.Option(None, min=0, max=65535, help="TCP port (default buffer.port, 8100)"),
     db: Optional[str] = typer.Option(None, help="SQLite database file (durable; WAL mode) (default ./buffer.sqlite)"),
     memory: bool = typer.Option(False, "--memory", help="in-memory store: faster, not durable"),
+    durability: Optional[str] = typer.Option(None, help="what an answered post survives: process_crash (kill -9; "
+                                                        "default) or power_loss (also an OS crash: fsync per commit)"),
     capacity: Optional[int] = typer.Option(None, min=1, help="max queued + leased groups (429 beyond) (default 4096)"),
     max_staleness: Optional[int] = typer.Option(None, min=0, help="policy versions a group may lag before eviction (default 1)"),
     token_file: Optional[Path] = typer.Option(None, help="file holding the run's bearer token (auth.token; "
@@ -49,7 +51,8 @@ def serve(
         typer.echo(f"headrace buffer serve: {e}", err=True)
         raise typer.Exit(2) from None
     overrides = {"buffer.host": host, "buffer.port": port, "buffer.capacity": capacity,
-                 "buffer.max_staleness": max_staleness, "auth.token": secret, "buffer.max_body_mb": max_body_mb}
+                 "buffer.max_staleness": max_staleness, "auth.token": secret, "buffer.max_body_mb": max_body_mb,
+                 "buffer.durability": durability}
     if memory:                    # the flag wins over the file's storage choice
         overrides.update({"buffer.memory": True, "buffer.db": UNSET})
     elif db:
@@ -66,7 +69,7 @@ def serve(
         raise typer.Exit(2)
     from headrace.buffer.app import serve as run_server
 
-    where = "memory (not durable)" if cfg.memory else (cfg.db or "buffer.sqlite")
+    where = "memory (not durable)" if cfg.memory else f"{cfg.db or 'buffer.sqlite'} (survives {cfg.durability})"
     typer.echo(f"headrace buffer: http://{cfg.host}:{cfg.port} store={where} capacity={cfg.capacity} "
                f"max_staleness={cfg.max_staleness} max_body_mb={cfg.max_body_mb:g} "
                f"auth={'on' if auth.token else 'off'}", err=True)

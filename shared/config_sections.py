@@ -58,6 +58,12 @@ class BufferConfig(_Section):
                            "`<run.out>/buffer.sqlite` under `headrace run`, `./buffer.sqlite` otherwise; "
                            "not with `memory`")
     memory: bool = Field(default=False, description="keep every group in memory: faster, lost when the buffer stops")
+    durability: Literal["process_crash", "power_loss"] = Field(
+        default="process_crash",
+        description="what a group answered 200 survives: `process_crash` (kill -9 of the buffer; SQLite WAL with "
+                    "synchronous=NORMAL: the commit is in the OS page cache, no fsync per request) or `power_loss` "
+                    "(also an OS crash or power loss: synchronous=FULL, an fsync per commit, shared by the requests "
+                    "that arrive together)")
     capacity: int = Field(default=4096, ge=1, le=10_000_000,
                           description="most groups queued + leased, in groups; a push beyond it is answered 429")
     max_staleness: int = Field(
