@@ -59,32 +59,23 @@ import yaml  # noqa: E402
 from bench.rollout_bench import cpu_seconds  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
-# the service-side code of both paths; each call appends "kind seconds completion_tokens" to the
-# file named by HEADRACE_BENCH_TIMES
+# the service-side code of both paths; each call's "kind seconds completion_tokens" line goes to the
+# file named by HEADRACE_BENCH_TIMES once the round's HEADRACE_BENCH_CALLS calls are done
 PLUGIN = '''
-import gc, os, time
+import os, time
 
 from headrace.rollout.generate import append_tokens, append_turn
 
 USER = "Go on."
-_GC = {"t": 0.0, "start": 0.0}
+_LINES = []
 
 
-def _gc(phase, info):   # the service's garbage-collection CPU time so far (written with each call's line)
-    if phase == "start":
-        _GC["start"] = time.process_time()
-    else:
-        _GC["t"] += time.process_time() - _GC["start"]
-
-
-gc.callbacks.append(_gc)
-
-
-def _log(kind, dt, n):
-    with open(os.environ["HEADRACE_BENCH_TIMES"], "a") as f:
-        f.write(f"{kind} {dt:.6f} {n}\\n")
-    with open(os.environ["HEADRACE_BENCH_TIMES"] + f".gc.{os.getpid()}", "w") as f:
-        f.write(f"{_GC['t']:.6f}")
+def _log(kind, dt, n):   # one file write per round (each call's open/append/close blocked the loop)
+    _LINES.append(f"{kind} {dt:.6f} {n}\\n")
+    if len(_LINES) >= int(os.environ["HEADRACE_BENCH_CALLS"]):
+        with open(os.environ["HEADRACE_BENCH_TIMES"], "a") as f:
+            f.write("".join(_LINES))
+        _LINES.clear()
 
 
 async def generate(ctx, sample, sampling):
@@ -149,12 +140,6 @@ async def _external(url: str, groups: int, n: int, turns: int, first: int) -> li
     return calls
 
 
-def gc_seconds(times: Path, pid: int) -> float:
-    """The garbage-collection CPU seconds the bench plugin counted in service ``pid`` so far."""
-    f = times.parent / f"{times.name}.gc.{pid}"
-    return float(f.read_text() or 0) if f.exists() else 0.0
-
-
 def read_calls(path: Path) -> list[tuple[str, float, int]]:
     if not path.exists():
         return []
@@ -217,7 +202,8 @@ def main() -> None:
             procs.append(Proc(headrace_cmd("rollout", "serve", "--config", str(cfg), "--port", str(port)),
                               tmp / f"rollout-{kind}.log",
                               env=child_env(HEADRACE_LOG_LEVEL="WARNING", HEADRACE_BENCH_TIMES=str(times),
-                                            HEADRACE_BENCH_TURNS=str(args.turns))))
+                                            HEADRACE_BENCH_TURNS=str(args.turns),
+                                            HEADRACE_BENCH_CALLS=str(concurrent * args.turns))))
             urls[kind] = f"http://127.0.0.1:{port}"
             pids[kind] = procs[-1].pid
             procs[-1].wait_http(f"{urls[kind]}/health", timeout=120)
@@ -233,7 +219,6 @@ def main() -> None:
         per_call: dict[str, list[float]] = {k: [] for k in urls}
         tps: dict[str, list[float]] = {k: [] for k in urls}
         cpu = dict.fromkeys(urls, 0.0)
-        gcs = dict.fromkeys(urls, 0.0)
         spies = [Proc([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pids[k]), "--nonblocking",
                        "--rate", "250", "--format", "raw", "-o", f"{args.py_spy}-{k}.txt"], tmp / f"py-spy-{k}.log")
                  for k in ("generate", "gateway")] if args.py_spy else []
@@ -242,8 +227,8 @@ def main() -> None:
         order = list(urls)
         for r in range(args.rounds):   # alternate the order so drifting background load hits both alike
             for kind in order[r % 2:] + order[:r % 2]:
-                times.unlink(missing_ok=True)   # the call log only (each service's GC total stays)
-                c0, g0 = cpu_seconds(pids[kind]), gc_seconds(times, pids[kind])
+                times.unlink(missing_ok=True)
+                c0 = cpu_seconds(pids[kind])
                 if kind == "external":
                     t0 = time.perf_counter()
                     calls = asyncio.run(_external(urls[kind], args.groups, args.n, args.turns, 1 + r))
@@ -251,7 +236,6 @@ def main() -> None:
                 else:
                     wall = batch_round(urls[kind], args.groups)
                 cpu[kind] += cpu_seconds(pids[kind]) - c0
-                gcs[kind] += gc_seconds(times, pids[kind]) - g0
                 if kind != "external":
                     calls = [c for c in read_calls(times) if c[0] == kind]
                 assert len(calls) == concurrent * args.turns, (kind, len(calls))
@@ -276,8 +260,6 @@ def main() -> None:
                   "tokens_per_s_ratio": round(statistics.median(tps["gateway"]) / statistics.median(tps["generate"]), 3),
                   "service_cpu_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
                                               for k, v in cpu.items()},
-                  "service_gc_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
-                                             for k, v in gcs.items() if k != "external"},
                   "generate_round_s": round(statistics.median(walls["generate"]), 3),
                   "gateway_round_s": round(statistics.median(walls["gateway"]), 3)}
         if args.external:

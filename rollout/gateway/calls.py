@@ -24,7 +24,7 @@ from typing import Any
 from headrace.rollout.gateway.episodes import Episode, EpisodeStore
 from headrace.rollout.gateway.openai_api import (ApiError, ChatRequest, CompletionRequest, chat_completion,
                                                  chat_logprobs, normalized, template_messages, text_completion)
-from headrace.rollout.gateway.recording import Plan, Recorder
+from headrace.rollout.gateway.recording import Plan, Recorder, decode
 from headrace.rollout.gateway.toolcalls import parser_for
 from headrace.rollout.generate import EngineClient, EngineError
 from headrace.shared.config import RolloutConfig
@@ -70,8 +70,9 @@ class Calls:
         ids_in = plan.input_ids
         ep.ctx.weight_version = None
         try:
-            out = await asyncio.wait_for(self.engine.generate(ep.ctx, ids_in, params), self.rc.gateway.call_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.rc.gateway.call_timeout_s):   # no extra task, unlike wait_for
+                out = await self.engine.generate(ep.ctx, ids_in, params)
+        except TimeoutError:
             raise ApiError(503, f"no answer within rollout.gateway.call_timeout_s ({self.rc.gateway.call_timeout_s:g} s); "
                                 "the episode is unchanged") from None
         except EngineError as e:
@@ -90,7 +91,7 @@ class Calls:
         return ids, lps, finish, len(ids_in)
 
     def _text(self, ids: list[int], stops: list[str]) -> str:
-        text = self.tok.decode(ids, skip_special_tokens=True)
+        text = decode(self.tok, ids, True)
         for s in stops:
             if text.endswith(s):
                 return text[: -len(s)]
@@ -159,7 +160,7 @@ class Calls:
         return tools
 
     def _pieces(self, ids: list[int]) -> list[str]:
-        return [self.tok.decode([i], skip_special_tokens=False) for i in ids]
+        return [decode(self.tok, [i], False) for i in ids]
 
 
 def template_messages_of(answer: dict[str, Any]) -> list[dict[str, Any]]:

@@ -51,8 +51,6 @@ class Gateway:
 
     def start(self) -> None:
         self.store.start()
-        if self.agent is not None:
-            self.agent.start()
 
     async def stop(self) -> None:
         await self.store.stop()

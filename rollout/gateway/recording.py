@@ -29,6 +29,16 @@ from headrace.shared.schemas import Sample
 _SENTINEL = "\x00HEADRACE-TURN\x00"
 
 
+def decode(tok: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    """``tok.decode(ids, skip_special_tokens=...)``, the same text. A fast tokenizer that does not
+    clean up tokenization spaces decodes with its Rust backend alone, which is all transformers'
+    ``decode`` then does, after converting its input and resolving its options (most of the CPU)."""
+    backend = getattr(tok, "_tokenizer", None)
+    if backend is not None and hasattr(backend, "decode") and getattr(tok, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 @dataclass
 class Segment:
     """One trajectory: its own sample of the episode's group."""
@@ -76,8 +86,8 @@ class Segment:
             loss_mask=list(self.loss_mask), rollout_logprobs=list(self.logprobs), reward=None,
             status=STATUS.get(self.finish, "completed"),
             weight_version=self.weight_version if self.weight_version is not None else version,
-            prompt=tokenizer.decode(self.tokens[: self.prompt_length], skip_special_tokens=False),
-            response=tokenizer.decode(response, skip_special_tokens=True), **fields)
+            prompt=decode(tokenizer, self.tokens[: self.prompt_length], False),
+            response=decode(tokenizer, response, True), **fields)
 
 
 class _Lru:
@@ -185,7 +195,7 @@ class Recorder:
         """The rest of the assistant turn that the completion's own tokens did not write."""
         # the previous call's rendered prompt (history[:-1] are its messages): not rendered again
         before = seg.rendered if seg.rendered is not None else self.render(seg.history[:-1], seg.tools, True)
-        generated = self.tok.decode(seg.last_ids, skip_special_tokens=False)
+        generated = decode(self.tok, seg.last_ids, False)
         if done.startswith(before) and done[len(before):].startswith(generated):
             return done[len(before) + len(generated):]
         end = self.turn_end
@@ -200,7 +210,7 @@ class Recorder:
             if isinstance(prompt, list) and prompt[: len(seg.tokens)] == seg.tokens:
                 return Plan(seg, list(prompt[len(seg.tokens):]))
             if isinstance(prompt, str):
-                have = self.tok.decode(seg.tokens, skip_special_tokens=False)
+                have = decode(self.tok, seg.tokens, False)
                 if prompt.startswith(have):
                     return Plan(seg, self.encode(prompt[len(have):]))
         ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)

@@ -133,3 +133,6 @@ def test_clients_share_the_sdks_platform(tiny_model: Path) -> None:
     b, _ = runner._client("hr-ep-b")
     # the value the SDK would compute in a worker thread on each client's first request, computed once
     assert a._platform == b._platform == get_platform()
+    for c, key in ((a, "hr-ep-a"), (b, "hr-ep-b")):   # copies of one client, each bound to its key
+        assert isinstance(c, openai.AsyncOpenAI) and c.api_key == key and c.max_retries == 0
+        assert str(c.base_url) == runner.base_url + "/" and c._client is runner._shared
