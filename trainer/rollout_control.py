@@ -195,7 +195,7 @@ class EngineControl:
             from headrace.trainer.lora import merged_tensors
 
             return merged_tensors(st.model)
-        return st.model.hf_state_dict()
+        return st.model.hf_state_dict(copy=False)   # packed or sent before the next step changes them
 
     def refresh_stale(self, st: Any) -> None:
         """Rank 0, while it waits for groups (continuous mode, tp 1): an engine that restarted serves its

@@ -15,6 +15,7 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -100,28 +101,35 @@ class DecoderModel:
     # ---- parameters ------------------------------------------------------------------------
 
     def _allocate(self) -> None:
+        """Every parameter as a view of one flat buffer, laid out in the order the trainer sends its
+        Hugging Face tensors (embedding, final norm, untied head, then per layer: norms, q/k/v,
+        o, gate/up, down, each weight followed by its bias): a weight-sync bucket of consecutive
+        tensors is then one contiguous range, received in place with one collective."""
         a, d = self.arch, self.dtype
-        p = self.params
-        p["embed"] = torch.zeros(a.vocab_size, a.hidden_size, dtype=d)
+        qkv, gu = self.q_size + 2 * self.kv_size, 2 * a.intermediate_size
+        spec: list[tuple[str, tuple[int, ...], float]] = [("embed", (a.vocab_size, a.hidden_size), 0.0),
+                                                          ("norm", (a.hidden_size,), 1.0)]
+        if not a.tie_word_embeddings:
+            spec.append(("lm_head", (a.vocab_size, a.hidden_size), 0.0))
         for i in range(a.num_layers):
-            p[f"{i}.ln1"] = torch.ones(a.hidden_size, dtype=d)
-            p[f"{i}.ln2"] = torch.ones(a.hidden_size, dtype=d)
-            p[f"{i}.qkv"] = torch.zeros(self.q_size + 2 * self.kv_size, a.hidden_size, dtype=d)
-            if a.qkv_bias:
-                p[f"{i}.qkv_b"] = torch.zeros(self.q_size + 2 * self.kv_size, dtype=d)
-            p[f"{i}.o"] = torch.zeros(a.hidden_size, self.q_size, dtype=d)
-            if a.o_bias:
-                p[f"{i}.o_b"] = torch.zeros(a.hidden_size, dtype=d)
-            if a.qk_norm:
-                p[f"{i}.qn"] = torch.ones(a.head_dim, dtype=d)
-                p[f"{i}.kn"] = torch.ones(a.head_dim, dtype=d)
-            p[f"{i}.gu"] = torch.zeros(2 * a.intermediate_size, a.hidden_size, dtype=d)
-            p[f"{i}.down"] = torch.zeros(a.hidden_size, a.intermediate_size, dtype=d)
-            if a.mlp_bias:
-                p[f"{i}.gu_b"] = torch.zeros(2 * a.intermediate_size, dtype=d)
-                p[f"{i}.down_b"] = torch.zeros(a.hidden_size, dtype=d)
-        p["norm"] = torch.ones(a.hidden_size, dtype=d)
-        p["lm_head"] = p["embed"] if a.tie_word_embeddings else torch.zeros(a.vocab_size, a.hidden_size, dtype=d)
+            spec += [(f"{i}.ln1", (a.hidden_size,), 1.0), (f"{i}.ln2", (a.hidden_size,), 1.0),
+                     (f"{i}.qkv", (qkv, a.hidden_size), 0.0)]
+            spec += [(f"{i}.qkv_b", (qkv,), 0.0)] if a.qkv_bias else []
+            spec += [(f"{i}.o", (a.hidden_size, self.q_size), 0.0)]
+            spec += [(f"{i}.o_b", (a.hidden_size,), 0.0)] if a.o_bias else []
+            spec += [(f"{i}.qn", (a.head_dim,), 1.0), (f"{i}.kn", (a.head_dim,), 1.0)] if a.qk_norm else []
+            spec += [(f"{i}.gu", (gu, a.hidden_size), 0.0)]
+            spec += [(f"{i}.gu_b", (gu,), 0.0)] if a.mlp_bias else []
+            spec += [(f"{i}.down", (a.hidden_size, a.intermediate_size), 0.0)]
+            spec += [(f"{i}.down_b", (a.hidden_size,), 0.0)] if a.mlp_bias else []
+        flat = torch.empty(sum(math.prod(shape) for _, shape, _ in spec), dtype=d)
+        at = 0
+        for key, shape, init in spec:
+            n = math.prod(shape)
+            self.params[key] = flat[at:at + n].view(shape).fill_(init)
+            at += n
+        if a.tie_word_embeddings:
+            self.params["lm_head"] = self.params["embed"]
 
     def _hf_map(self) -> dict[str, tuple[str, int, int]]:
         """HF name -> (internal key, row start, row end) of the slice the tensor fills (built once:

@@ -9,7 +9,8 @@ broadcast per tensor from rank 0 in ``names`` order, or one flat tensor
 (``load_format="flattened_bucket"``: the tensors flattened and concatenated in ``names`` order,
 all of one dtype). Tensors land in a receive buffer kept per dtype while the group lives (the
 returned views are valid until the next receive) or, per tensor, straight into the engine's own
-weights when a ``dest`` lookup is given. Every call blocks; HTTP handlers run them in a worker
+weights when a ``dest`` lookup is given (per tensor, or a whole flattened bucket when the engine's
+tensors for it are one contiguous range). Every call blocks; HTTP handlers run them in a worker
 thread.
 """
 
@@ -59,11 +60,13 @@ class WeightReceiver:
         back as views of a receive buffer (one per dtype) that the next call reuses: copy them (as
         ``load_weights`` does) before receiving again.
 
-        ``dest`` (per-tensor mode only): ``dest(name)`` may return the engine's own tensor for that
-        name; when it is contiguous with the announced dtype, shape and device the tensor is
-        received straight into it (no load copy; the returned pair holds that very tensor, so a
-        loader can skip it by ``data_ptr``). Only inside an update session: a failed receive then
-        leaves those weights partially written, like any failed update."""
+        ``dest``: ``dest(name)`` may return the engine's own tensor for that name. Per tensor: when
+        it is contiguous with the announced dtype, shape and device the tensor is received straight
+        into it. Flattened: when the bucket's tensors are back to back in one storage in ``names``
+        order, the whole bucket is received straight into that range. Either way there is no load
+        copy: the returned pair holds that very tensor, so a loader can skip it by ``data_ptr``.
+        Only inside an update session: a failed receive then leaves those weights partially
+        written, like any failed update."""
         if self._pg is None:
             raise RuntimeError("not in a weight-update group: call init_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -78,6 +81,10 @@ class WeightReceiver:
             if len(set(torch_dtypes)) != 1:
                 raise ValueError(f"a flattened bucket holds one dtype, got {sorted(set(map(str, dtypes)))}")
             total = sum(_numel(s) for s in shapes)
+            region = self._own_range(names, torch_dtypes[0], shapes, dest) if dest is not None else None
+            if region is not None:
+                dist.broadcast(region[0], src=0, group=self._pg)
+                return region[1]
             flat = self._buffer(torch_dtypes[0], total)
             dist.broadcast(flat, src=0, group=self._pg)
             return unflatten_bucket(flat, names, shapes)
@@ -102,6 +109,25 @@ class WeightReceiver:
         for w in works:
             w.wait()
         return out
+
+    def _own_range(self, names: Sequence[str], dtype: torch.dtype, shapes: Sequence[Sequence[int]],
+                   dest: Callable[[str], torch.Tensor | None]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None:
+        """When the engine's own tensors for ``names`` lie back to back in one storage, in that order,
+        with the announced dtype and shapes (the reference engine lays its weights out in the
+        trainer's order), the flat 1-D view of that range and the (name, own tensor) pairs: the
+        bucket is then received straight into the weights. None otherwise (received into a buffer)."""
+        own, end = [], None
+        for name, shape in zip(names, shapes):
+            t = dest(name)
+            if (t is None or t.dtype != dtype or list(t.shape) != list(shape) or not t.is_contiguous()
+                    or t.device != self.device or (end is not None and t.data_ptr() != end)
+                    or (own and t.untyped_storage().data_ptr() != own[0][1].untyped_storage().data_ptr())):
+                return None
+            own.append((name, t))
+            end = t.data_ptr() + t.numel() * t.element_size()
+        first = own[0][1]
+        total = sum(t.numel() for _, t in own)
+        return first.as_strided((total,), (1,), first.storage_offset()), own
 
     def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The front of a receive buffer kept per dtype (grown as needed), so a many-bucket update

@@ -61,9 +61,11 @@ def engines(models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
             proc.stop()
 
 
-def _trainer_push(model_dir: str, urls: list[str], version: int) -> dict | None:
+def _trainer_push(model_dir: str, urls: list[str], version: int, load_format: str | None = "auto") -> dict | None:
     """One TP rank of the trainer: load, perturb (so the pushed weights are on no disk), push
-    from rank 0 while rank 1 takes part in the TP gathers, then score the engines' outputs."""
+    from rank 0 while rank 1 takes part in the TP gathers, then score the engines' outputs. With
+    one rank it pushes views of its live parameters (``hf_state_dict(copy=False)``, as
+    ``EngineControl`` does) and also returns the order and shapes it sends."""
     import torch
     import torch.distributed as dist
 
@@ -71,18 +73,20 @@ def _trainer_push(model_dir: str, urls: list[str], version: int) -> dict | None:
     from headrace.trainer.model import load_model
     from headrace.trainer.parallel import destroy_distributed, init_distributed
 
-    info = init_distributed(2, 1)
+    info = init_distributed(int(os.environ["WORLD_SIZE"]), 1)         # every rank in the TP group
     try:
         model = load_model(model_dir, info)
         with torch.no_grad():
             for p in model.parameters():
-                p.mul_(1.1)
-        outs, stats = None, None
+                p.mul_(1.0 + version / 60)     # each test's push differs from the last one's
+        outs, stats, order = None, None, None
         if info.rank == 0:
-            sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=64 << 10, timeout_s=120)
+            sender = WeightSender([EngineTarget(u) for u in urls], bucket_bytes=64 << 10, timeout_s=120,
+                                  load_format=load_format)
             sender.connect()
             try:
-                sender.update(model.hf_state_dict(), weight_version=version)
+                order = [(n, list(t.shape)) for n, t in model.hf_state_dict()] if info.tp == 1 else None
+                sender.update(model.hf_state_dict(copy=info.tp > 1), weight_version=version)
                 stats = dict(sender.last_stats)
                 outs = [greedy(u) for u in urls]
             finally:
@@ -99,20 +103,41 @@ def _trainer_push(model_dir: str, urls: list[str], version: int) -> dict | None:
                 lp, _ = model.token_logprobs(torch.tensor(ids), torch.arange(len(ids)), torch.tensor([0, len(ids)]),
                                              torch.tensor(ids[1:] + [0]))
                 trainer_lps.append(lp[len(PROMPT) - 1:len(ids) - 1].tolist())
-        return {"outs": box[0], "trainer": trainer_lps, "stats": stats} if info.rank == 0 else None
+        return {"outs": box[0], "trainer": trainer_lps, "stats": stats, "order": order} if info.rank == 0 else None
     finally:
         destroy_distributed()
 
 
 @pytest.mark.slow
-def test_tp2_trainer_update_makes_engines_compute_the_trainer_model(engines: list[str], models: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("tp,load_format", [(2, "auto"), (1, "flattened_bucket")])
+def test_trainer_update_makes_engines_compute_the_trainer_model(engines: list[str], models: tuple[Path, Path],
+                                                                tp: int, load_format: str) -> None:
+    """TP 2 with gloo's default (one broadcast per tensor), and TP 1 pushing views of the live
+    parameters as flat buckets, which the reference engine receives straight into its weights: its
+    layout is the trainer's order, so every bucket is one contiguous range of them (checked here on
+    the order the trainer sent)."""
+    import torch
+
+    from headrace.rollout.engine.model import DecoderModel
+    from headrace.rollout.engine.receiver import WeightReceiver
+    from headrace.shared.weight_sync import plan_buckets
     from headrace.trainer.launch import spawn
 
-    before = [greedy(u)["output_ids"] for u in engines]
-    result = spawn(_trainer_push, 2, str(models[1]), engines, 5, timeout_s=300)[0]
+    before = [[lp for lp, _, _ in greedy(u)["meta_info"]["output_token_logprobs"]] for u in engines]
+    result = spawn(_trainer_push, tp, str(models[1]), engines, 5 + tp, load_format, timeout_s=300)[0]
+    if tp == 1:
+        engine_model = DecoderModel.from_pretrained(models[1])
+        named = [(n, torch.empty(shape)) for n, shape in result["order"]]
+        buckets = list(plan_buckets(named, 64 << 10))
+        assert len(buckets) > 3
+        for b in buckets:
+            got = WeightReceiver()._own_range([n for n, _ in b], torch.float32, [list(t.shape) for _, t in b],
+                                              engine_model.param_view)
+            assert got is not None, [n for n, _ in b]
+            assert got[0].numel() == sum(t.numel() for _, t in b)
     assert result["stats"]["buckets"] > 1
     for url, out, trainer_lp in zip(engines, result["outs"], result["trainer"]):
-        assert out["meta_info"]["weight_version"] == "5" and model_version(url) == "5"
+        assert out["meta_info"]["weight_version"] == str(5 + tp) and model_version(url) == str(5 + tp)
         engine_lp = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
         assert [t for _, t, _ in out["meta_info"]["output_token_logprobs"]] == out["output_ids"]
         assert len(engine_lp) == NEW_TOKENS
@@ -120,7 +145,8 @@ def test_tp2_trainer_update_makes_engines_compute_the_trainer_model(engines: lis
         # greedy: each token is the argmax, so the engine never picked a token the trainer finds unlikely
         assert max(trainer_lp) <= 0
     assert result["outs"][0]["output_ids"] == result["outs"][1]["output_ids"]
-    assert before[0] != result["outs"][0]["output_ids"]  # the update really changed the model
+    after = [lp for lp, _, _ in result["outs"][0]["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(before[0], after)) > 1e-3  # the update really changed the model
 
 
 def _iter_then(tensors: list, at: int, action) -> Iterator:

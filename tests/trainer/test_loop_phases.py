@@ -333,7 +333,7 @@ def test_engine_control_times_its_phases_owns_the_eval_cadence_and_gives_memory_
     ctl.rollout = FakeRolloutClient(calls)
     ctl.sender = SimpleNamespace(connected=True, update=lambda named, v: sent.append(([n for n, _ in named], v)),
                                  close=lambda: calls.append("sender.close"))
-    st = SimpleNamespace(policy_version=3, model=SimpleNamespace(hf_state_dict=lambda: iter([("w", None)])))
+    st = SimpleNamespace(policy_version=3, model=SimpleNamespace(hf_state_dict=lambda **kw: iter([("w", None)])))
     ctl.generate()
     ctl.release_memory()
     ctl.resume_memory()

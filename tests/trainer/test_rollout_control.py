@@ -41,7 +41,7 @@ def _control(tmp_path, url: str, timeout_s: float, stop: StopRequest | None) -> 
 def _state() -> SimpleNamespace:
     import torch
 
-    return SimpleNamespace(policy_version=1, model=SimpleNamespace(hf_state_dict=lambda: iter([("w", torch.zeros(2))])))
+    return SimpleNamespace(policy_version=1, model=SimpleNamespace(hf_state_dict=lambda **kw: iter([("w", torch.zeros(2))])))
 
 
 def test_a_rendezvous_that_never_answers_is_bounded_by_sync_timeout(tmp_path, silent_engine):

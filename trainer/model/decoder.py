@@ -232,7 +232,8 @@ class TPDecoder(torch.nn.Module):
                                        temperature=temperature, with_entropy=with_entropy)
 
     # ------------------------------------------------------------------ export
-    def hf_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_state_dict(self, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors with HF names (model device and dtype, padding removed), gathered over TP;
-        yields on TP rank 0 only. A collective: every TP rank must exhaust the iterator."""
-        yield from gather_hf_tensors(self)
+        yields on TP rank 0 only. A collective: every TP rank must exhaust the iterator.
+        ``copy=False``: see ``gather_hf_tensors`` (views of live parameters where nothing is gathered)."""
+        yield from gather_hf_tensors(self, copy=copy)

@@ -174,10 +174,14 @@ def load_shards(model: nn.Module, model_dir: str | Path) -> None:
 
 
 @torch.no_grad()
-def gather_hf_tensors(model: nn.Module, only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_hf_tensors(model: nn.Module, only: set[str] | None = None,
+                      copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) pairs, layer by layer, on the model's device (NCCL weight sync sends
     them from there); yields on TP rank 0 only. A collective over the TP group. ``only``: the
-    parameters (our names) to gather, default all."""
+    parameters (our names) to gather, default all. ``copy=False``: where nothing is gathered (TP 1,
+    replicated tensors) a tensor may be a read-only view of the live parameter, valid until the
+    next optimizer step (weight sync packs or sends it before that); by default every tensor is
+    the caller's own."""
     info, shapes = model.info, full_shapes(model)
     tp, leader = info.tp, info.tp_rank == 0
     params = dict(model.named_parameters())
@@ -193,10 +197,11 @@ def gather_hf_tensors(model: nn.Module, only: set[str] | None = None) -> Iterato
         if not leader:
             continue
         if spec.mode == "rep":
-            yield spec.parts[0][0], local.clone()   # never hand out the live parameter
+            yield spec.parts[0][0], local.clone() if copy else local   # by default never the live parameter
             continue
         dim = 0 if spec.mode == "rows" else 1
         per_rank = [s.split([padded // tp for _, padded in spec.parts], dim=dim) for s in shards]
         for j, (name, _) in enumerate(spec.parts):
-            full = torch.cat([pieces[j] for pieces in per_rank], dim=dim)
+            pieces = [p[j] for p in per_rank]
+            full = pieces[0] if len(pieces) == 1 and not copy else torch.cat(pieces, dim=dim)
             yield name, full.narrow(dim, 0, shapes[name][dim]).contiguous()
