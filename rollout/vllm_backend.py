@@ -30,7 +30,9 @@ Guarantees:
   transfer routes and Headrace's ``headrace`` transfer engine, a vLLM plugin). Memory: ``/release_memory_occupation`` ->
   ``/sleep``, ``/resume_memory_occupation`` -> ``/wake_up`` (on CPU vLLM frees nothing).
 - With ``HEADRACE_TOKEN`` set, every route but /health needs the bearer token, and vLLM is
-  launched with ``--api-key`` (dev-mode vLLM exposes ``/collective_rpc``). Bodies are bounded.
+  launched with it as ``VLLM_API_KEY``; measured: that key guards only /v1, /v2, /inference and
+  /cohere, while the dev-mode RL routes and ``/collective_rpc`` answer without it, so a launched
+  vLLM binds 127.0.0.1 only. Bodies are bounded.
 """
 
 from __future__ import annotations

@@ -137,6 +137,18 @@ class WeightSession:
             self.upstream_open = False
 
 
+    async def abandon(self) -> None:
+        """After a failed bucket: make sure vLLM's session is over with nothing applied. vLLM ends it
+        itself when the engine raised; when the failure was elsewhere it may still be open, so discard
+        and finish are sent regardless, and their refusals (no session) are expected."""
+        self.upstream_open = False
+        for path, body in (("/update_weights", {"update_info": DISCARD}), ("/finish_weight_update", {})):
+            try:
+                await self.post(path, body)
+            except Exception:  # noqa: BLE001 - "no session" is the usual answer
+                pass
+
+
 def add_weight_routes(app: FastAPI, adapter: Any, body_of: Callable[[Request], Awaitable[Any]]) -> None:
     """Register the weight-update routes of ``adapter`` on ``app``."""
     s = WeightSession(adapter)
@@ -206,7 +218,8 @@ def add_weight_routes(app: FastAPI, adapter: Any, body_of: Callable[[Request], A
         try:
             await s.post("/update_weights", {"update_info": info})
         except BaseException:
-            s.upstream_open, s.complete = False, None   # vLLM ends its session when a chunk fails
+            s.complete = None
+            await s.abandon()
             raise
         if req.weight_version is not None:
             s.complete = req.weight_version

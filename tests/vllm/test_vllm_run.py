@@ -2,8 +2,8 @@
 
 One machine, every service a child process: buffer, rollout (its fleet launches the SGLang-API
 adapter, which launches vLLM from the vLLM venv) and trainer. A few GRPO steps must complete with
-max_staleness 1, so the trainer's weight sync into vLLM (through the adapter and Headrace's worker
-extension) must work; the reward must reach the metrics, and every child must be gone afterwards.
+max_staleness 1, so the trainer's weight sync into vLLM (through the adapter, vLLM's weight-transfer
+routes and Headrace's ``headrace`` transfer engine) must work; the reward must reach the metrics, and every child must be gone afterwards.
 """
 
 from __future__ import annotations
