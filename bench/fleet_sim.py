@@ -12,7 +12,9 @@ bench prints theirs: they must not be the bottleneck).
 (a) rollout service: a real ``headrace rollout serve`` (backend external, on_demand) attached to E
     simulated engines, pushing into a real ``headrace buffer serve --memory``, answers
     ``POST /v1/generate_batch {"groups": G}``; the rate is groups / wall time of a batch (median of
-    ``--rounds``), for each E in ``--engines``;
+    ``--rounds``; G is what the warm-up's rate makes in ``--round-s``, at most ``--groups``), for
+    each E in ``--engines``. CPU per group of the service is printed too: on a loaded machine the
+    wall-time rate understates what the service would do with a core of its own;
 (b) buffer: ``--producers`` processes post pre-encoded columnar bodies (``--push-batch`` groups
     each, fresh ids every time) to one buffer (durable SQLite, or ``--buffer-memory``) for
     ``--buffer-seconds``; the rate is groups accepted / seconds.
@@ -192,19 +194,22 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
                 raise RuntimeError(f"generate_batch: {r.status_code} {r.text[:500]}\n{svc.log()[-3000:]}")
             return dt
 
-        batch(max(1, args.groups // 8))  # warm-up: connections, first-call imports
+        warm = max(1, args.groups // 8)
+        dt = batch(warm)  # warm-up: connections, first-call imports; sizes the rounds to ~round_s
+        size = max(1, min(args.groups, int(warm / dt * args.round_s)))
         if profile:
             os.kill(svc.pid, signal.SIGUSR2)
         times, cpu_svc, cpu_sim, cpu_buf = [], 0.0, 0.0, 0.0
         for _ in range(args.rounds):
             c0, s0, b0 = cpu_seconds(svc.pid), cpu_seconds(sim_pid), cpu_seconds(buffer_pid)
-            times.append(batch(args.groups))
+            times.append(batch(size))
             cpu_svc += cpu_seconds(svc.pid) - c0
             cpu_sim += cpu_seconds(sim_pid) - s0
             cpu_buf += cpu_seconds(buffer_pid) - b0
-        rate = args.groups / statistics.median(times)
-        done = args.groups * args.rounds
-        return rate, {"service_cpu_ms_per_group": 1000 * cpu_svc / done, "engines_cpu_ms_per_group": 1000 * cpu_sim / done,
+        rate = size / statistics.median(times)
+        done = size * args.rounds
+        return rate, {"groups_per_round": size, "service_cpu_ms_per_group": 1000 * cpu_svc / done,
+                      "engines_cpu_ms_per_group": 1000 * cpu_sim / done,
                       "buffer_cpu_ms_per_group": 1000 * cpu_buf / done,
                       "service_cpu_share": cpu_svc / sum(times), "engines_cpu_share": cpu_sim / sum(times),
                       "buffer_cpu_share": cpu_buf / sum(times)}
@@ -324,7 +329,9 @@ def buffer_figure(args: argparse.Namespace, tmp: Path) -> tuple[float, dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="8,32,128", help="engine counts, comma-separated (0 or '' skips (a))")
-    ap.add_argument("--groups", type=int, default=256, help="groups per generate_batch round")
+    ap.add_argument("--groups", type=int, default=512, help="most groups per generate_batch round")
+    ap.add_argument("--round-s", type=float, default=6.0,
+                    help="rounds hold as many groups as the warm-up rate makes in this long (at most --groups)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=8, help="samples per group")
     ap.add_argument("--new-tokens", type=int, default=2048, help="response tokens per sample")
@@ -376,8 +383,8 @@ def run(args: argparse.Namespace) -> None:
             procs.append(buf)
             buf.wait_http(f"http://127.0.0.1:{bport}/health", timeout=60)
             for k, e in enumerate(counts):
-                rate, detail = rollout_figure(args, tmp, model, urls[:e], sim.pid, f"http://127.0.0.1:{bport}", buf.pid, data,
-                                              args.profile if k == 0 else None)
+                rate, detail = rollout_figure(args, tmp, model, urls[:e], sim.pid, f"http://127.0.0.1:{bport}",
+                                              buf.pid, data, args.profile if k == 0 else None)
                 print("# " + json.dumps({"engines": e, **{k2: round(v, 3) for k2, v in detail.items()}}), flush=True)
                 print(f"rollout service: {rate:.1f} groups/s with {e} engines = {gpus(rate, *per)} GPUs", flush=True)
         if args.producers > 0:

@@ -15,6 +15,12 @@ Guarantees of ``check_outputs(samples)``:
   response_length (4)``);
 - booleans inside the numeric lists are taken as 0 / 1, as the columnar encoder takes them.
 
+``encode_groups(groups)`` is the push's body: the groups as one columnar body
+(``application/x-headrace-columns``), numeric columns converted in C (``array.array``) with no
+per-token Python work; the buffer validates it. Rows that columns cannot carry exactly raise
+``shared.columns.NotColumnar`` (the caller then sends rows, and the buffer's row schema names
+the problem).
+
 ``copy_for_generator`` gives a generator its own sample: fresh lists and free-form containers, so
 a generator that mutates its input in place cannot reach another sample (cheaper than a deep copy:
 the token list is copied in C, free-form values only when they are containers).
@@ -24,14 +30,16 @@ from __future__ import annotations
 
 import array
 import copy
+import math
 from typing import Any
 
 import numpy as np
 from pydantic import ValidationError
 
-from headrace.shared.schemas import MAX_TOKEN_ID, Sample, SampleStatus, plain_json
+from headrace.shared import columns as cols
+from headrace.shared.schemas import MAX_TOKEN_ID, Group, Sample, SampleStatus, plain_json
 
-__all__ = ["check_outputs", "copy_for_generator", "revalidate"]
+__all__ = ["check_outputs", "copy_for_generator", "encode_groups", "revalidate"]
 
 _STATUSES = frozenset(s.value for s in SampleStatus)
 _SCALARS = (type(None), bool, int, float, str)
@@ -145,3 +153,61 @@ def check_outputs(samples: list[Sample]) -> list[tuple[Sample | None, str | None
 def short(e: ValidationError) -> str:
     """The first three of a validation error's problems, each ``field: message``."""
     return "; ".join(f"{'.'.join(map(str, er['loc'])) or 'sample'}: {er['msg']}" for er in e.errors()[:3])
+
+
+def encode_groups(groups: list[Group]) -> bytes:
+    """The columnar body of ``groups`` (see the module docstring)."""
+    try:
+        return _columns(groups).pack()
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return cols.encode(groups)   # the exact encoder decides (NotColumnar: send rows)
+
+
+def _columns(groups: list[Group]) -> cols.Columns:
+    gids, gmeta, soff = [], [], [0]
+    uid, gi, status, wv, reward, toff, rl, hl, prompt, response, label, meta = ([] for _ in range(12))
+    toks: list[int] = []
+    mask: list[int] = []
+    lps: list[float] = []
+    toff.append(0)
+    for g in groups:
+        gids.append(g.group_id)
+        gmeta.append(g.metadata)
+        for s in g.samples:
+            if type(s.response_length) is not int or len(s.loss_mask) != s.response_length or \
+                    s.group_id != g.group_id or type(s.index) is not int or type(s.weight_version) is not int:
+                raise ValueError("not plain")
+            r, lp, st = s.reward, s.rollout_logprobs, s.status
+            uid.append(s.uid)
+            gi.append(s.index)
+            status.append(st.value if isinstance(st, SampleStatus) else st)
+            wv.append(s.weight_version)
+            if not (r is None or (type(r) in (int, float) and math.isfinite(r))):
+                raise ValueError("reward")
+            reward.append(float("nan") if r is None else float(r))
+            toks.extend(s.tokens)
+            toff.append(len(toks))
+            rl.append(s.response_length)
+            mask.extend(s.loss_mask)
+            hl.append(lp is not None)
+            if lp is not None and len(lp) != s.response_length:
+                raise ValueError("logprobs")
+            lps.extend(lp if lp is not None else (0.0,) * s.response_length)
+            prompt.append(s.prompt)
+            response.append(s.response)
+            label.append(s.label)
+            meta.append(s.metadata)
+        soff.append(len(uid))
+    if any(type(x) is not str for x in status):
+        raise ValueError("status")
+    # array.array: exactly ints ("i": int32, "B": 0..255) / numbers ("f": float32), in C
+    tokens = np.frombuffer(array.array("i", toks), dtype=np.int32)
+    lp64 = np.frombuffer(array.array("d", lps), dtype=np.float64)
+    with np.errstate(over="ignore"):
+        lp32 = lp64.astype(np.float32)
+    if lp64.size and ((lp64 > 0).any() or not np.isfinite(lp32).all()):
+        raise ValueError("logprobs")   # the exact encoder decides what float32 cannot carry exactly
+    return cols.Columns(gids, gmeta, np.array(soff, dtype=np.int64), uid, np.array(gi, dtype=np.int32), status,
+                        np.array(wv, dtype=np.int64), np.array(reward, dtype=np.float64), np.array(toff, dtype=np.int64),
+                        tokens, np.array(rl, dtype=np.int32), np.frombuffer(array.array("B", mask), dtype=np.uint8),
+                        np.array(hl, dtype=np.uint8), lp32, prompt, response, label, meta)

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from headrace.rollout.transport import EngineError, Retryable, Transport
+from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, logprobs_of
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
@@ -131,6 +130,7 @@ class EngineClient:
         budget = int(sampling.get("max_new_tokens", 128))
         ids: list[int] = []
         lps: list[Any] = []   # SGLang's [logprob, token id, text] entries, as the engines answered
+        floats: list[float] = []  # their logprobs
         text = ""
         segments = answers = 0
         attempts = bad = 0
@@ -153,6 +153,7 @@ class EngineClient:
                 segments += 1
             ids += seg_ids
             lps += out["meta_info"]["output_token_logprobs"]
+            floats += logprobs_of(out)
             text = out.get("text") or ""
             answers += 1
             reason = out["meta_info"]["finish_reason"]["type"]
@@ -176,7 +177,7 @@ class EngineClient:
         meta.update(finish_reason=dict(meta["finish_reason"], type=reason),
                     output_token_logprobs=lps,
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
-        return {"text": text, "output_ids": ids, "meta_info": meta}
+        return Answer.of({"text": text, "output_ids": ids, "meta_info": meta}, lps, floats)
 
 
 class RolloutContext:
@@ -209,7 +210,6 @@ class RolloutContext:
 
 # ---- helpers for generators --------------------------------------------------------------------
 
-_first = operator.itemgetter(0)
 STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed.value,
           "abort": SampleStatus.aborted.value}
 
@@ -217,7 +217,7 @@ STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed
 def append_turn(sample: Sample, answer: dict[str, Any]) -> Sample:
     """Append a /generate answer as model tokens (loss_mask 1) and set status from finish_reason."""
     ids = answer["output_ids"]
-    lps = list(map(_first, answer["meta_info"]["output_token_logprobs"]))
+    lps = logprobs_of(answer)
     sample.tokens = sample.tokens + ids
     sample.loss_mask = sample.loss_mask + [1] * len(ids)
     sample.rollout_logprobs = (sample.rollout_logprobs or []) + lps

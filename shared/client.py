@@ -334,6 +334,10 @@ class AsyncBufferClient(_Base):
     async def post_groups(self, groups: list[Group | dict[str, Any]]) -> PostGroupsResponse:
         return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", self._groups_body(groups)))
 
+    async def post_columns(self, body: bytes) -> PostGroupsResponse:
+        """``post_groups`` of a body already encoded as columns (``shared.columns``)."""
+        return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", body))
+
     async def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
                     min_weight_version: int | None = None, validate: bool = True) -> LeaseResponse | None:
         out = await self._request("POST", "/v1/leases", self._lease_body(groups, wait_s, lease_s, min_weight_version),

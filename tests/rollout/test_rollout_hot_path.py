@@ -14,10 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from headrace.rollout.columns_push import check_outputs, copy_for_generator
+from headrace.rollout.columns_push import check_outputs, copy_for_generator, encode_groups
 from headrace.rollout.loop import prompt_sample
-from headrace.rollout.transport import Retryable, check_answer
-from headrace.shared.schemas import Sample
+from headrace.rollout.transport import Retryable, check_answer, logprobs_of
+from headrace.shared import columns as cols
+from headrace.shared.schemas import Group, Sample
 from tests.rollout.support import write_prompts
 
 
@@ -93,7 +94,36 @@ def test_garbage_engine_answers_are_retryable(ids: list, lps: list) -> None:
 def test_a_good_answer_passes_and_rounding_above_zero_is_clamped() -> None:
     out = check_answer(_answer([1, 2, 3], [-0.1, 5e-7, 0]), "http://e")
     assert [x[0] for x in out["meta_info"]["output_token_logprobs"]] == [-0.1, 0.0, 0]
+    assert logprobs_of(out) == [-0.1, 0.0, 0]
+    out["meta_info"]["output_token_logprobs"] = [[-0.5, 1, None], [-0.5, 2, None], [-0.5, 3, None]]
+    assert logprobs_of(out) == [-0.5] * 3          # entries replaced: read again, never a stale copy
     assert check_answer(_answer([], []), "http://e")["output_ids"] == []
+
+
+def _group(gid: str, n: int = 3, **kw: object) -> Group:
+    samples = []
+    for i in range(n):
+        x = _sample(**kw)
+        x.uid, x.group_id, x.index, x.reward, x.weight_version = f"{gid}-{i}", gid, i, float(i), 2
+        samples.append(x)
+    samples[0].rollout_logprobs = None
+    samples[-1].status, samples[-1].reward, samples[-1].label = "failed", None, {"a": [1, {"b": None}]}
+    samples[-1].metadata = {"error": "x"}
+    return Group.model_construct(group_id=gid, samples=samples, metadata={"epoch": 0})
+
+
+def test_the_push_body_carries_what_the_exact_encoder_does() -> None:
+    groups = [_group("a"), _group("b", 1), _group("c", 4)]
+    mine, _ = cols.decode(encode_groups(groups))
+    exact, _ = cols.decode(cols.encode(groups))
+    assert mine.to_rows() == exact.to_rows()
+
+
+@pytest.mark.parametrize("change", [dict(tokens=[3, 4, 5, 6, 7.5]), dict(rollout_logprobs=[-0.5, 1e-50]),
+                                    dict(loss_mask=[1, "1"])], ids=["float token", "tiny positive", "str mask"])
+def test_values_columns_cannot_carry_go_to_the_exact_encoder(change: dict) -> None:
+    with pytest.raises(cols.NotColumnar):     # the pusher then sends rows, and the buffer names the field
+        encode_groups([_group("a", **change)])
 
 
 GENERATOR = '''
