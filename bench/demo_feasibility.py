@@ -42,6 +42,8 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--workdir", default="runs/demo_feasibility", help="models are cached here")
     ap.add_argument("--json", default=None, help="write the curve here")
+    ap.add_argument("--model", default=None, help="a warm-started model directory to start from "
+                    "(skips init and warm-up; bench/demo_vs_plain.py passes the demo's own)")
     args = ap.parse_args()
 
     import torch
@@ -54,9 +56,12 @@ def main() -> None:
 
     work = Path(args.workdir)
     t0 = time.time()
-    base = init_model("tiny-qwen2", work / "base", seed=args.seed)
-    warm = warm_start(base, work / "warm", seed=args.seed,
-                      log=lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True))
+    if args.model:
+        warm = Path(args.model)
+    else:
+        base = init_model("tiny-qwen2", work / "base", seed=args.seed)
+        warm = warm_start(base, work / "warm", seed=args.seed,
+                          log=lambda s: print(f"[{time.time() - t0:6.1f}s] {s}", flush=True))
     meta = json.loads((warm / "warm_start.json").read_text())
     print(f"[{time.time() - t0:6.1f}s] warm start: {meta['steps_run']} steps, accuracy {meta['accuracy']:.3f}",
           flush=True)
