@@ -212,7 +212,7 @@ def test_weight_sync_tied_model_logprobs_match_and_a_failed_update_is_recovered(
 def test_an_update_cut_short_is_discarded_and_a_re_push_recovers(vllm: VLLMEngine, tiny_model: Path) -> None:
     """The trainer dies half way through an update (its last bucket, the one carrying the version,
     never comes): ending the session discards what vLLM's engine staged, vLLM keeps serving the base
-    weights under its old version, and a full re-push then lands."""
+    weights under its old version, and a full re-push then lands (flattened buckets: one broadcast each)."""
     from headrace.shared.weight_sync import EngineTarget, WeightSender
     from tests.vllm.weights import max_diff, perturbed, teacher_forced
 
@@ -226,7 +226,7 @@ def test_an_update_cut_short_is_discarded_and_a_re_push_recovers(vllm: VLLMEngin
         raise RuntimeError("trainer died")
 
     with WeightSender([EngineTarget(vllm.url)], backend="gloo", bucket_bytes=16 << 10, timeout_s=120,
-                      token=TOKEN) as sender:
+                      token=TOKEN, load_format="flattened_bucket") as sender:
         with pytest.raises(RuntimeError, match="trainer died"):
             sender.update(half_then_die(), weight_version=5)
         r = httpx.post(f"{vllm.url}/end_weight_update", headers=HEADERS, json={}, timeout=120)
