@@ -31,12 +31,21 @@ engine; on 2 cores that contention is part of what is measured.
 All 32 calls of a round wait for one engine batch, so each call's time carries about 16 other
 calls' service CPU: the ratio follows the service CPU per call. Measured (tiny-qwen2, 32 episodes,
 2 shared cores): before in-process serving, 7.6-7.9 ms service CPU per gateway call vs 1.3 for
-``ctx.generate``, ratio 1.47-1.96; after, on a machine loaded 10-13 deep, 4.5-8.2 ms vs 1.35-2.4,
-ratio 1.14-1.49 and tokens/s 0.68-0.97x of generate's over six runs (target missed). What remains is mostly the ``openai`` SDK itself
-(building the request, transforming the params, parsing the answer: ~40% of the service's CPU in
-py-spy), then the route with template rendering and tokenization (~14%). ``--external`` (two runs,
-same load): 3.5x and 5.0x; each external episode also pays its open and finish requests, a TCP
-connection and the server's HTTP handling, and the bench process competes for the same 2 cores.
+``ctx.generate``, ratio 1.47-1.96; with it, 4.1-4.3 ms vs 1.25-1.35 at load ~1 (ratio 1.21-1.43).
+Then (2 Dec, machine loaded 7-14 deep, where every figure is inflated and the ratio swings from run
+to run): the SDK's platform probe no longer hops to a worker thread per episode, episode clients
+are ``with_options`` copies, the chat / completion POSTs skip the ASGI layers, encode / decode go
+to the fast tokenizer's backend, renders and encodings are cached across a prompt's episodes, and
+the per-call log write of this bench's own plugin is gone (it blocked the service loop: a quarter
+of py-spy's samples); service CPU 4.2-5.3 ms vs 1.25-1.67, ratio 0.85-1.48 over seven runs
+(median 1.19: target missed) and gateway tokens/s 0.62-1.15x of generate's (median 0.77). In
+py-spy's busy samples of the gateway service the route (auth, parse, template, recording, answer) went from 25% to 11% (template render
+and tokenization 18% -> 2%); what remains is mostly the ``openai`` SDK itself: transforming the
+params, building the request (headers, URL parsing, httpx2), parsing the answer (~37%), then the
+engine call, episode samples and the rollout loop. ``--py-spy PREFIX`` records both services.
+``--external`` (two runs, load 10-13, before these changes): 3.5x and 5.0x; each external episode
+also pays its open and finish requests, a TCP connection and the server's HTTP handling, and the
+bench process competes for the same 2 cores.
 """
 
 from __future__ import annotations
