@@ -41,8 +41,9 @@ of py-spy's samples); service CPU 4.2-5.3 ms vs 1.25-1.67, ratio 0.85-1.48 over 
 (median 1.19: target missed) and gateway tokens/s 0.62-1.15x of generate's (median 0.77). In
 py-spy's busy samples of the gateway service the route (auth, parse, template, recording,
 answer) went from 25% to 11% (template render and tokenization 18% -> 2%); what remains is
-mostly the ``openai`` SDK itself: transforming the params, building the request (headers, URL parsing, httpx2), parsing the answer (~37%), then the
-engine call, episode samples and the rollout loop. ``--py-spy PREFIX`` records both services.
+mostly the ``openai`` SDK itself: transforming the params, building the request (headers, URL
+parsing, httpx2), parsing the answer (~37%), then the engine call, episode samples and the rollout
+loop. ``--py-spy PREFIX`` records both services.
 ``--external`` (two runs, load 10-13, before these changes): 3.5x and 5.0x; each external episode
 also pays its open and finish requests, a TCP connection and the server's HTTP handling, and the
 bench process competes for the same 2 cores.
