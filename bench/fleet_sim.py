@@ -25,7 +25,8 @@ Each figure is also given as GPUs served at ``--gpu-tokens-per-s`` (5,000) per G
     python bench/fleet_sim.py [--engines 8,32,128] [--groups 256] [--rounds 3] [--new-tokens 2048]
                               [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
 
-prints (besides ``#`` lines of detail: CPU per group of the service, the buffer and the engines)
+prints (besides ``#`` lines of detail: CPU per group of the service, the buffer and the engines,
+and the rate each would reach with a core of its own, 1 / CPU per group)
     rollout service: N groups/s with E engines = G GPUs
     buffer: N groups/s from P producers = G GPUs
 ``--profile`` runs the rollout service of the first engine count under cProfile.
@@ -385,12 +386,18 @@ def run(args: argparse.Namespace) -> None:
             for k, e in enumerate(counts):
                 rate, detail = rollout_figure(args, tmp, model, urls[:e], sim.pid, f"http://127.0.0.1:{bport}",
                                               buf.pid, data, args.profile if k == 0 else None)
-                print("# " + json.dumps({"engines": e, **{k2: round(v, 3) for k2, v in detail.items()}}), flush=True)
+                one_core = 1000 / max(detail["service_cpu_ms_per_group"], 1e-9)   # the service with a core of its own
+                print("# " + json.dumps({"engines": e, **{k2: round(v, 3) for k2, v in detail.items()},
+                                         "groups_per_s_at_one_core": round(one_core, 1),
+                                         "gpus_at_one_core": gpus(one_core, *per)}), flush=True)
                 print(f"rollout service: {rate:.1f} groups/s with {e} engines = {gpus(rate, *per)} GPUs", flush=True)
         if args.producers > 0:
             rate, detail = buffer_figure(args, tmp)
+            one_core = 1000 / max(detail["buffer_cpu_ms_per_group"], 1e-9)
             print("# " + json.dumps({"producers": args.producers, "memory": args.buffer_memory,
-                                     **{k: round(v, 3) for k, v in detail.items()}}), flush=True)
+                                     **{k: round(v, 3) for k, v in detail.items()},
+                                     "groups_per_s_at_one_core": round(one_core, 1),
+                                     "gpus_at_one_core": gpus(one_core, *per)}), flush=True)
             print(f"buffer: {rate:.1f} groups/s from {args.producers} producers = {gpus(rate, *per)} GPUs", flush=True)
     finally:
         for p in reversed(procs):
