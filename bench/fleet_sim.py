@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -342,6 +343,7 @@ def main() -> None:
     ap.add_argument("--buffer-memory", action="store_true", help="(b) against buffer --memory instead of SQLite")
     ap.add_argument("--gpu-tokens-per-s", type=float, default=GPU_TOKENS_PER_S)
     ap.add_argument("--profile", default=None, help="cProfile output of the rollout service (first engine count)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, databases)")
     ap.add_argument("--preset", default="tiny-qwen2", help="model whose tokenizer the rollout service loads")
     ap.add_argument("--serve-engines", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--ports-file", default=None, help=argparse.SUPPRESS)
@@ -402,6 +404,8 @@ def run(args: argparse.Namespace) -> None:
     finally:
         for p in reversed(procs):
             p.stop()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)   # the ingest database alone is hundreds of MB
 
 
 if __name__ == "__main__":
