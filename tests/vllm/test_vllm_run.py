@@ -4,6 +4,8 @@ One machine, every service a child process: buffer, rollout (its fleet launches 
 adapter, which launches vLLM from the vLLM venv) and trainer. A few GRPO steps must complete with
 max_staleness 1, so the trainer's weight sync into vLLM (through the adapter, vLLM's weight-transfer
 routes and Headrace's ``headrace`` transfer engine) must work; the reward must reach the metrics, and every child must be gone afterwards.
+Colocated placement (on-demand rollout, memory released between phases through vLLM's /sleep): the
+run must say that on CPU this frees nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def test_headrace_run_with_a_vllm_engine_trains_and_syncs(tiny_model: Path, tmp_
             "reward": "exact_match",
         },
         "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 30},
-        "run": {"out": str(out), "eval_every": 0},
+        "run": {"out": str(out), "eval_every": 0, "placement": "colocated"},
     }
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -87,3 +89,5 @@ def test_headrace_run_with_a_vllm_engine_trains_and_syncs(tiny_model: Path, tmp_
     assert all(any("reward" in k for k in r) for r in trained), rows
     engine_log = "\n".join(p.read_text(errors="replace") for p in out.rglob("engine-*.log"))
     assert "vllm.entrypoints.openai.api_server" in engine_log, "the run's engine was not a vLLM server"
+    # colocated (the default placement) on CPU: the run says that vLLM's /sleep frees nothing here
+    assert "frees nothing here (it is GPU-only)" in text, text[:3000]
