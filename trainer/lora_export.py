@@ -66,17 +66,15 @@ def save_peft_adapter(model_or_tensors: nn.Module | Mapping[str, torch.Tensor], 
     """
     out = Path(out_dir)
     if isinstance(model_or_tensors, nn.Module):
-        from headrace.trainer.lora import adapter_tensors
-
-        # views of the parameters where nothing is gathered: written below, before any step changes them
-        tensors = dict(adapter_tensors(model_or_tensors, copy=False))
-        if model_or_tensors.info.tp_rank != 0:
+        tensors = _model_adapters(model_or_tensors, dtype)
+        if tensors is None:
             return out
     else:
         tensors = dict(model_or_tensors)
     if not tensors:
         raise ValueError("no adapter tensors to save")
-    tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()}
+    if _views is None or tensors is not _views[2]:        # the cached views are ready as they are
+        tensors = {k: (v.to(dtype) if dtype is not None else v).detach().cpu().contiguous() for k, v in tensors.items()}
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -99,6 +97,32 @@ def save_peft_adapter(model_or_tensors: nn.Module | Mapping[str, torch.Tensor], 
     return out
 
 
+_views: tuple[Any, list[tuple[torch.Tensor, int]], dict[str, torch.Tensor]] | None = None
+
+
+def _model_adapters(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """The model's adapter tensors by PEFT name (None on TP ranks other than 0). At TP 1 with
+    nothing to convert they are views of the parameters (valid until the next step changes them,
+    and written before that); those views are built once per model and reused while every
+    parameter keeps its storage: walking ~400 modules cost ~12 ms of the ~17 ms a sync's write took."""
+    global _views
+    from headrace.trainer.lora import adapter_tensors, lora_state
+
+    info = model.info
+    if info.tp == 1 and dtype is None and _views is not None and _views[0] is model \
+            and all(p.data_ptr() == ptr for p, ptr in _views[1]):
+        return _views[2]
+    tensors = dict(adapter_tensors(model, copy=False))
+    if info.tp_rank != 0:
+        return None
+    if info.tp == 1 and dtype is None:
+        params = [(p, p.data_ptr()) for _, _, mod in lora_state(model).modules
+                  for p in (*mod.lora_A.values(), *mod.lora_B.values())]
+        _views = (model, params, {k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        return _views[2]
+    return tensors
+
+
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -111,6 +135,9 @@ def _safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
     was most of ``safetensors.torch.save_file``'s time for ~400 small tensors."""
     if sys.byteorder != "little":
         raise RuntimeError("safetensors files are little-endian; this host is not")
+    global _last_parts
+    if _last_parts[0] is tensors and _last_parts[1] == metadata:   # the cached views of one model
+        return _last_parts[2]
     names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     layout = tuple((n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names)
     data = []
@@ -129,10 +156,14 @@ def _safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: dict[str, 
         head = json.dumps(header, separators=(",", ":")).encode()
         _last_header = ((layout, dict(metadata)), head + b" " * (-len(head) % 8))
     head = _last_header[1]
-    return [len(head).to_bytes(8, "little"), head, *data]
+    parts = [len(head).to_bytes(8, "little"), head, *data]
+    if _views is not None and tensors is _views[2]:
+        _last_parts = (tensors, dict(metadata), parts)
+    return parts
 
 
 _last_header: tuple[Any, bytes] = (None, b"")
+_last_parts: tuple[Any, dict[str, str], list[Any]] = (None, {}, [])
 
 
 def _write(path: Path, parts: list[Any], durable: bool, in_place: bool = False) -> None:
