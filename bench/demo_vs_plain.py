@@ -40,14 +40,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_plain(model: Path, steps: int, out: Path) -> dict:
+def run_plain(model: Path, steps: int, out: Path, threads: int) -> dict:
     """bench/demo_feasibility.py on ``model``: wall of the process, GRPO seconds per step."""
     curve = out / "plain.json"
     t0 = time.perf_counter()
     with open(out / "plain.log", "w") as log:
         subprocess.run([sys.executable, str(REPO / "bench" / "demo_feasibility.py"), "--model", str(model),
                         "--steps", str(steps), "--eval-every", str(steps + 1), "--groups", "64", "--group-size", "8",
-                        "--lr", "1e-4", "--threads", "1", "--json", str(curve)],
+                        "--lr", "1e-4", "--threads", str(threads), "--json", str(curve)],
                        check=True, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)
     wall = time.perf_counter() - t0
     last = json.loads(curve.read_text())["curve"][-1]
@@ -85,6 +85,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "demo_vs_plain")
+    ap.add_argument("--plain-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the plain loop (default: every core; it is one process)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -92,8 +94,9 @@ def main() -> None:
 
     model = prepare_demo_model(REPO / "models", log=lambda s: print(s, flush=True))
     print(f"model {model}, {args.steps} steps of 64 x 8; each side alone, one after the other", flush=True)
-    plain = run_plain(model, args.steps, args.out)
-    print(f"plain loop:    wall {plain['wall_s']:7.1f} s, {plain['step_s']:.3f} s per step", flush=True)
+    plain = run_plain(model, args.steps, args.out, args.plain_threads)
+    print(f"plain loop:    wall {plain['wall_s']:7.1f} s, {plain['step_s']:.3f} s per step "
+          f"({args.plain_threads} torch threads)", flush=True)
     ours = run_headrace(model, args.steps, args.out)
     print(f"headrace run:  wall {ours['wall_s']:7.1f} s, {ours['step_s']:.3f} s per step (median iteration_s, "
           f"{ours['steps']} steps)", flush=True)
@@ -101,7 +104,7 @@ def main() -> None:
                                                                for k, v in ours["phases"].items()))
     ratio = ours["wall_s"] / plain["wall_s"]
     print(f"ratio wall {ratio:.3f} (target <= 1.1), per step {ours['step_s'] / plain['step_s']:.3f}")
-    print(json.dumps({"bench": "demo_vs_plain", "steps": args.steps, "plain": plain, "headrace": ours,
+    print(json.dumps({"bench": "demo_vs_plain", "steps": args.steps, "plain_threads": args.plain_threads, "plain": plain, "headrace": ours,
                       "wall_ratio": ratio, "step_ratio": ours["step_s"] / plain["step_s"],
                       "meets_target": ratio <= 1.1}))
 
