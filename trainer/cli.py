@@ -26,7 +26,7 @@ def train(
     from pathlib import Path
 
     from headrace.shared.auth import flag_token
-    from headrace.shared.config import ConfigError, load_config, save_config
+    from headrace.shared.config import load_config, save_config
 
     urls = [u.rstrip("/") for u in rollout_url or []]
     if len(set(urls)) != len(urls):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from headrace.shared.schemas import Group, Sample
 from headrace.trainer.batch import BadBatchError, build_batch, micro_batches_for_rank, pack, shard_for_dp

@@ -111,7 +111,7 @@ def test_kill9_of_the_trainer_between_checkpoints_replays_the_uncheckpointed_gro
 
         rc, log = run_train(tmp_path, config, url)
         assert rc == 0, log
-        assert f"resumed from" in log and f"done at step {steps}" in log
+        assert "resumed from" in log and f"done at step {steps}" in log
         rows = [r["step"] for r in metrics(tmp_path)]
         assert rows == list(range(1, trained + 1)) + list(range(saved + 1, steps + 1))   # saved+1..trained twice
         _assert_invariant(url, tmp_path, steps, dead=[])
