@@ -63,23 +63,23 @@ class Stack:
         self.start_rollout()
         return self
 
-    def get(self, path: str) -> Any:
-        r = httpx.get(f"{self.url}{path}", timeout=30)
+    def get(self, path: str, timeout: float = 30) -> Any:
+        r = httpx.get(f"{self.url}{path}", timeout=timeout)
         r.raise_for_status()
         return r.json()
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 300) -> httpx.Response:
         return httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
 
-    def status(self) -> dict[str, Any]:
-        return self.get("/v1/status")
+    def status(self, timeout: float = 30) -> dict[str, Any]:
+        return self.get("/v1/status", timeout)
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float = 180, what: str = "") -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         st: dict[str, Any] = {}
         while time.monotonic() < deadline:
             assert self.rollout is not None and self.rollout.alive(), self.rollout.log()[-4000:] if self.rollout else ""
-            st = self.status()
+            st = self.status(timeout=120)   # a loaded machine (engines starting) may answer slowly
             if pred(st):
                 return st
             time.sleep(0.2)

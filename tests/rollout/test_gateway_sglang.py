@@ -5,14 +5,12 @@ the buffer. Needs .venv-sglang (``make sglang-venv``); ~1-3 min and ~2 GB of RAM
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.procs import Proc, child_env, free_port, headrace_cmd
-from tests.rollout.gateway_support import TOKEN, TokenStack, write_tasks
+from tests.rollout.gateway_support import TokenStack, two_turn_tool_episode, write_tasks
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -23,7 +21,7 @@ class SGLangTokenStack(TokenStack):
         self.starts += 1
         self.rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(self.config), "--port",
                                          str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log",
-                            env=child_env(HEADRACE_LOG_LEVEL="INFO", HEADRACE_TOKEN=TOKEN, **CPU_ENV))
+                            env=child_env(HEADRACE_LOG_LEVEL="INFO", HEADRACE_TOKEN=self.token, **CPU_ENV))
         self.rollout.wait_http(f"{self.url}/health", timeout=2 * STARTUP_TIMEOUT_S)
 
 
@@ -34,24 +32,6 @@ def test_gateway_on_sglang(tiny_model: Path, tmp_path: Path) -> None:
         "mode": "on_demand", "data": {"path": str(write_tasks(tmp_path / "t.jsonl", 2))},
         "n_samples_per_prompt": 2, "groups_per_step": 2, "sampling": {"max_new_tokens": 6}}).start()
     try:
-        ep = st.open_episode(group_id="sglang-1")
-        c = openai.OpenAI(base_url=ep["base_url"], api_key=ep["api_key"], max_retries=0)
-        msgs: list = [{"role": "user", "content": "What is 2 + 3?"}]
-        r1 = c.chat.completions.create(model="tiny-qwen2", messages=msgs, max_tokens=6, logprobs=True)
-        msgs += [r1.choices[0].message, {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
-        r2 = c.chat.completions.create(model="tiny-qwen2", messages=msgs, max_tokens=6, logprobs=True)
-        (seg,) = st.get(f"/v1/episodes/{ep['episode_id']}")["segments"]
-        n1, n2 = r1.usage.completion_tokens, r2.usage.completion_tokens
-        assert r2.usage.prompt_tokens == len(seg["tokens"]) - n2 and len(seg["tokens"]) - seg["prompt_length"] > n1 + n2
-        ctx = r2.usage.prompt_tokens - seg["prompt_length"] - n1
-        assert seg["loss_mask"] == [1] * n1 + [0] * ctx + [1] * n2
-        lps = [x.logprob for x in r1.choices[0].logprobs.content] + [x.logprob for x in r2.choices[0].logprobs.content]
-        assert [lp for lp, m in zip(seg["rollout_logprobs"], seg["loss_mask"]) if m] == pytest.approx(lps)
-        st.finish(ep["episode_id"], reward=1.0)
-        deadline = time.monotonic() + 60
-        while st.buffer_stats()["queued"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        (group,) = st.buffer_groups()
-        assert group.group_id == "sglang-1" and group.samples[0].tokens == seg["tokens"]
+        two_turn_tool_episode(st, "sglang-1")
     finally:
         st.stop()

@@ -239,6 +239,29 @@ def test_an_update_cut_short_is_discarded_and_a_re_push_recovers(vllm: VLLMEngin
         assert version == "5" == _upstream_version(up) and max_diff(lps, teacher_forced(new, PROMPT, ids)) < 1e-4
 
 
+def test_the_agent_gateway_on_an_attached_vllm_engine(vllm: VLLMEngine, tiny_model: Path, tmp_path: Path) -> None:
+    """The agent gateway on vLLM, unchanged: a buffer and a rollout service (``backend: vllm`` with
+    ``engines.urls``: an adapter in front of this module's vLLM server, the module's run token) take
+    an external episode driven by the official ``openai`` client: two chat calls around a tool
+    result, recorded as one segment token for token with vLLM's logprobs, and the finished episode's
+    group reaches the buffer (``tests.rollout.gateway_support.two_turn_tool_episode``, as on SGLang)."""
+    from tests.procs import free_port
+    from tests.rollout.gateway_support import TokenStack, two_turn_tool_episode, write_tasks
+
+    class VLLMTokenStack(TokenStack):
+        token = TOKEN
+
+    st = VLLMTokenStack(tmp_path / "s", tiny_model, {
+        "engines": {"backend": "vllm", "urls": [_upstream(vllm)], "base_port": free_port(),
+                    "startup_timeout_s": 300, "restart": False},
+        "mode": "on_demand", "data": {"path": str(write_tasks(tmp_path / "t.jsonl", 2))},
+        "n_samples_per_prompt": 2, "groups_per_step": 2, "sampling": {"max_new_tokens": 6}}).start()
+    try:
+        two_turn_tool_episode(st, "vllm-1")
+    finally:
+        st.stop()
+
+
 def test_a_fleet_attaches_to_a_running_vllm_url_and_syncs_through_it(vllm: VLLMEngine, tiny_model: Path,
                                                                      tmp_path: Path) -> None:
     """``backend: vllm`` with ``engines.urls``: the fleet starts only an adapter (``--upstream``) in

@@ -7,7 +7,9 @@ aborted requests' partial tokens and finishes them after resume (partial rollout
 marked in metadata). Then this process, as trainer rank 0, pushes new weights into both engines
 (listed by ``/v1/engines``) through one gloo group: both report the new version and their logprobs
 equal the new weights' (``transformers``, teacher-forced) within 1e-4; after ``/v1/resume`` the
-groups are tagged with the new version.
+groups are tagged with the new version. Last, with the service paused, engine 0's vLLM server is
+killed by pid: the fleet restarts that engine (adapter and vLLM, same port) and holds it out of
+routing as stale (it serves the model directory's weights, not version 1) while engine 1 stays in.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def check_groups(groups: list, vocab: int, version: int) -> None:
             assert x.weight_version >= version and x.reward is not None
 
 
-@pytest.mark.timeout(2400)
+@pytest.mark.timeout(3000)
 def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tmp_path: Path) -> None:
     from headrace.shared.modelzoo import init_model
     from headrace.shared.weight_sync import EngineTarget, WeightSender
@@ -65,7 +67,7 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     cfg: dict[str, Any] = {
         "engines": {"backend": "vllm", "count": 2, "python": str(VLLM_PYTHON), "base_port": free_port(),
-                    "startup_timeout_s": STARTUP_TIMEOUT_S, "restart": False},
+                    "startup_timeout_s": STARTUP_TIMEOUT_S, "restart": True, "max_restarts": 1},
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 400))},
         "n_samples_per_prompt": N, "groups_per_step": 4, "max_concurrency": 8,
         "sampling": {"temperature": 1.0, "max_new_tokens": TOKENS, "ignore_eos": True},
@@ -102,6 +104,23 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
         assert any(x.weight_version == 1 for g in groups for x in g.samples)
         if paused.get("partial"):
             assert any(x.metadata.get("resumed") for g in groups for x in g.samples), paused
+
+        # restart as for SGLang. Paused first, so that engine 1 does not generate while vLLM starts
+        # again (the fleet watches health whether paused or not). Engine 0's vLLM server (its
+        # adapter's child) is killed by pid; the adapter's /health fails and the fleet relaunches the
+        # engine (adapter and vLLM) on its port, held out as stale until a trainer re-pushes
+        assert s.post("/v1/pause", {"mode": "abort"}).status_code == 200
+        children = Path(f"/proc/{pids[0]}/task/{pids[0]}/children").read_text().split()
+        assert children, "the adapter has no vLLM child"
+        for child in children:
+            os.kill(int(child), signal.SIGKILL)
+        st = s.wait(lambda st: st["engines"][0]["restarts"] >= 1 and st["engines"][0]["healthy"], timeout=1200,
+                    what="engine 0 restarted after its vLLM server was killed")
+        assert st["engines"][0]["stale"] and not st["engines"][1]["stale"], st["engines"]
+        assert st["engines"][0]["pid"] != pids[0]
+        pids.append(st["engines"][0]["pid"])
+        info = httpx.get(f"{engines[0]['url']}/get_model_info", timeout=300).json()
+        assert info["backend"] == "vllm" and info["weight_version"] == "0", info
     finally:
         s.stop()
         for pid in pids:     # safety net: the fleet stops its engines; never leave one running
