@@ -11,7 +11,8 @@ Guarantees:
   name code to load.
 - ``/v1/pause`` returns only when no engine request is in flight. ``abort`` pauses the engines
   (``/pause_generation {"mode":"abort"}``, repeated ``/abort_request {"abort_all":true}`` until
-  idle); the aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of
+  idle; every third round, continue and pause again, so that a request that reached an engine
+  after its pause, held where abort does not reach as in SGLang, is let in and aborted); the aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of
   their budget; the answer's ``partial`` says how many requests hold partial tokens (also in
   ``/v1/status``). ``drain`` lets running requests finish and admits no new ones.
 - ``/v1/resume {"weight_version": v}`` marks v as the engines' weights (engines restarted meanwhile
@@ -59,6 +60,7 @@ log = logging.getLogger("headrace.rollout")
 
 
 MAX_VERSION = 2**63 - 1   # versions are stored as SQLite INTEGERs by the buffer
+HELD_RELEASE_ROUNDS = 3   # abort rounds (1 s each) before a pause lets held requests in and pauses again
 
 
 class _Body(BaseModel):
@@ -178,10 +180,21 @@ class RolloutService:
         if req.mode == "abort":
             self.gate.abort_epoch += 1
             await self.fleet.broadcast("/pause_generation", {"mode": "abort"}, timeout=30.0)
+            rounds = 0
             while not await self.gate.wait_idle(1.0):
                 if time.monotonic() - t0 > req.timeout_s:
                     raise HTTPException(504, f"{self.gate.in_flight} requests still in flight after {req.timeout_s} s")
-                await self.fleet.broadcast("/abort_request", {"abort_all": True}, timeout=10.0)
+                rounds += 1
+                if rounds % HELD_RELEASE_ROUNDS == 0:
+                    # a request that reached an engine after its pause is held there, and SGLang holds it
+                    # where abort_all does not reach (engine contract, ABORT_REACHES_HELD_REQUESTS): let
+                    # it in and pause again, which aborts it with what it generated meanwhile
+                    log.info("pause: %d requests still in flight after %d aborts: continue and pause again",
+                             self.gate.in_flight, rounds)
+                    await self.fleet.broadcast("/continue_generation", {}, timeout=30.0)
+                    await self.fleet.broadcast("/pause_generation", {"mode": "abort"}, timeout=30.0)
+                else:
+                    await self.fleet.broadcast("/abort_request", {"abort_all": True}, timeout=10.0)
         elif not await self.gate.wait_idle(req.timeout_s):
             raise HTTPException(504, f"{self.gate.in_flight} requests still in flight after {req.timeout_s} s")
         return {"paused": True, "mode": req.mode, "in_flight": self.gate.in_flight,

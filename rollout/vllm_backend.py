@@ -21,7 +21,10 @@ Guarantees:
 - ``/pause_generation``: ``abort`` -> vLLM ``/pause?mode=abort``; ``in_place`` -> ``mode=keep``;
   ``retract`` (which vLLM lacks) -> ``keep`` too, and a request aborted while so paused is answered
   as SGLang answers from its waiting queue (no ``prompt_tokens``). Requests sent while paused wait
-  here until ``/continue_generation``; ``/health`` answers 503 while paused (SGLang's /health cannot
+  here until ``/continue_generation``, as in SGLang's waiting queue: an abort (by rid or
+  ``abort_all``) answers a held request at once with no tokens, ``finish_reason`` abort and no
+  ``prompt_tokens`` (a pause in abort mode then drains every request, also one that arrived after
+  it); ``/health`` answers 503 while paused (SGLang's /health cannot
   generate then), ``/get_model_info`` stays 200.
 - Start-up checks (exit 2 with one line naming the URL and the fix): the upstream must be vLLM
   (``/version``), of the supported version, in dev mode (its RL routes answer), serving the model,
@@ -142,6 +145,7 @@ class Adapter:
         self.in_flight: dict[str, str] = {}   # SGLang rid -> vLLM request_id
         self.aborted: set[str] = set()        # request ids aborted through us (answers say abort)
         self.retracted: set[str] = set()      # ... while paused in retract mode (no prompt_tokens)
+        self.held: dict[str, asyncio.Event] = {}   # SGLang rid -> set when aborted while held here
         self.open = asyncio.Event()
         self.open.set()
         self.weights_ready = asyncio.Event()   # cleared inside a weight-update session
@@ -226,13 +230,49 @@ class Adapter:
         if rids is not None and (not isinstance(rids, list) or len(rids) != len(prompts)):
             raise BadRequest("rid must be a string, or a list with one per prompt")
         logprob = bool(body.get("return_logprob", False))
-        while not (self.open.is_set() and self.weights_ready.is_set()):
-            await self.open.wait()
-            await self.weights_ready.wait()
-        outs = await asyncio.gather(*(self._one(p, sp, rids[i] if rids else uuid.uuid4().hex, logprob, lora)
-                                      for i, (p, sp) in enumerate(zip(prompts, params))))
+        rids = rids or [uuid.uuid4().hex for _ in prompts]
+        if await self._hold(rids):
+            outs = [self._held_abort(rid, sp, logprob) for rid, sp in zip(rids, params)]
+        else:
+            outs = await asyncio.gather(*(self._one(p, sp, rid, logprob, lora)
+                                          for p, sp, rid in zip(prompts, params, rids)))
         flat = [r for rs in outs for r in rs]
         return flat[0] if single and len(flat) == 1 else flat
+
+    def _ready(self) -> bool:
+        return self.open.is_set() and self.weights_ready.is_set()
+
+    async def _hold(self, rids: list[str]) -> bool:
+        """Wait while paused or inside a weight update; True when the request was aborted meanwhile."""
+        if self._ready():
+            return False
+        aborted = asyncio.Event()
+        for rid in rids:
+            self.held[rid] = aborted
+        try:
+            while not self._ready() and not aborted.is_set():
+                waits = [asyncio.ensure_future(e.wait()) for e in (self.open, self.weights_ready, aborted)
+                         if not e.is_set()]
+                _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+        finally:
+            for rid in rids:
+                if self.held.get(rid) is aborted:
+                    del self.held[rid]
+        return aborted.is_set()
+
+    def _held_abort(self, rid: str, sp: dict[str, Any], logprob: bool) -> list[dict[str, Any]]:
+        """SGLang's answer to a request aborted in its waiting queue: no tokens, no prompt_tokens."""
+        n = sp.get("n", 1)
+        answers = []
+        for i in range(n):
+            meta: dict[str, Any] = {"id": f"{rid}-{i}" if n > 1 else rid, "finish_reason": {"type": "abort"},
+                                    "completion_tokens": 0, "cached_tokens": 0, "weight_version": self.weight_version}
+            if logprob:
+                meta["output_token_logprobs"] = []
+            answers.append({"text": "", "output_ids": [], "meta_info": meta})
+        return answers
 
     async def _one(self, prompt: list[int], sp: dict[str, Any], rid: str, logprob: bool,
                    lora: str | None = None) -> list[dict[str, Any]]:
@@ -277,12 +317,16 @@ class Adapter:
     async def abort(self, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("abort_all"):
             targets = list(self.in_flight.values())
+            held = list(self.held.values())
         elif isinstance(body.get("rid"), str):
             targets = [v for k, v in self.in_flight.items() if k == body["rid"]]
+            held = [e for k, e in self.held.items() if k == body["rid"]]
         else:
             raise BadRequest("give rid (a string) or abort_all: true")
+        for e in held:   # held here (paused): answered at once, as from SGLang's waiting queue
+            e.set()
         await self._abort(targets)
-        return {"aborted": len(targets)}
+        return {"aborted": len(targets) + len(held)}
 
     async def _abort(self, req_ids: list[str]) -> None:
         if not req_ids:

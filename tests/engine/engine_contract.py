@@ -125,6 +125,13 @@ class EngineContract:
     """The contract cases. Not collected here (no ``Test`` prefix): a test module subclasses it as
     ``class TestEngineContract(EngineContract)`` and provides the ``engine`` fixture."""
 
+    # Engine-specific, stated by each backend: does an abort answer a request that arrived while
+    # generation was paused (held, not yet running)? The reference engine and Headrace's vLLM adapter
+    # hold it in a queue that abort reaches; SGLang 0.5.23 holds it in its tokenizer manager, before
+    # the scheduler that abort_all reaches, so it stays held until /continue_generation (the rollout
+    # service's pause lets such requests in and pauses again, rollout.service).
+    ABORT_REACHES_HELD_REQUESTS = True
+
     # ---- /generate shapes ------------------------------------------------------------------------
 
     def test_generate_single_input_ids(self, engine: Any) -> None:
@@ -294,6 +301,27 @@ class EngineContract:
             assert post(engine, "/continue_generation").status_code == 200
         res = generate(engine, input_ids=prompt_ids(19), sampling_params={"max_new_tokens": 4, "ignore_eos": True})
         assert res["meta_info"]["finish_reason"]["type"] == "length"
+
+    def test_abort_all_and_a_request_held_by_a_pause(self, engine: Any) -> None:
+        assert post(engine, "/pause_generation", {"mode": "abort"}).status_code == 200
+        try:
+            bg = Background(engine, input_ids=prompt_ids(26), return_logprob=True,
+                            sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+            bg.thread.join(1.5)
+            assert not bg.done(), "a request sent while paused is held"
+            for _ in range(3):
+                assert post(engine, "/abort_request", {"abort_all": True}).status_code == 200
+                bg.thread.join(1.0)
+            if self.ABORT_REACHES_HELD_REQUESTS:   # answered at once, as from a waiting queue: no tokens
+                res = bg.wait()
+                assert res["meta_info"]["finish_reason"]["type"] == "abort" and res["output_ids"] == []
+                assert res["meta_info"]["completion_tokens"] == 0 and "prompt_tokens" not in res["meta_info"]
+            else:
+                assert not bg.done(), "abort_all answered a held request"
+        finally:
+            assert post(engine, "/continue_generation").status_code == 200
+        if not self.ABORT_REACHES_HELD_REQUESTS:   # let in by continue: it runs
+            assert bg.wait()["meta_info"]["finish_reason"]["type"] == "length"
 
     def test_pause_in_place_holds_and_continue_resumes(self, engine: Any) -> None:
         _pause_hold_continue(engine, "in_place")
