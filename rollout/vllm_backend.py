@@ -26,6 +26,8 @@ Guarantees:
   ``prompt_tokens`` (a pause in abort mode then drains every request, also one that arrived after
   it); ``/health`` answers 503 while paused (SGLang's /health cannot
   generate then), ``/get_model_info`` stays 200.
+- A launched vLLM that exits stops the adapter (exit status 3), so the fleet sees the engine's
+  process exit and restarts it, also while paused (when it probes only ``/get_model_info``).
 - Start-up checks (exit 2 with one line naming the URL and the fix): the upstream must be vLLM
   (``/version``), of the supported version, in dev mode (its RL routes answer), serving the model,
   with Headrace's weight-transfer engine (``--weight-transfer-config '{"backend": "headrace"}'``).
@@ -44,8 +46,10 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -521,16 +525,40 @@ def main(argv: list[str] | None = None) -> int:
                                      limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
     if a.parent_pid:
         watch_parent(a.parent_pid)
+    stopping = threading.Event()
+    if proc is not None:
+        _watch_child(proc, stopping)
     try:
         serve(BodyLimit(build_app(adapter, token), MAX_BODY, "vllm adapter"), a.host, a.port, name="vllm-adapter")
     finally:
+        stopping.set()
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return 0
+    return 3 if _CHILD_DIED.is_set() else 0
+
+
+_CHILD_DIED = threading.Event()
+
+
+def _watch_child(proc: subprocess.Popen, stopping: threading.Event, interval_s: float = 1.0) -> None:
+    """A daemon thread: when the launched vLLM exits while this adapter is not stopping, stop the
+    adapter too (exit status 3), so that the fleet sees the engine's process exit and restarts it,
+    paused or not (a paused fleet probes only ``/get_model_info``, which this adapter answers itself)."""
+    def watch() -> None:
+        while not stopping.is_set():
+            if proc.poll() is not None:
+                if not stopping.is_set():
+                    log.error("vLLM (pid %d) exited with %s; stopping this adapter", proc.pid, proc.returncode)
+                    _CHILD_DIED.set()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(interval_s)
+
+    threading.Thread(target=watch, name="vllm-child-watch", daemon=True).start()
 
 
 if __name__ == "__main__":
