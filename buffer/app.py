@@ -175,7 +175,7 @@ def _lease_answer(lease: Lease, accept: str | None) -> Response:
     blobs straight into a msgpack answer; column blobs and JSON answers are decoded first."""
     if columns.is_columns(accept):
         try:
-            body = columns.merge(lease.blobs).pack({"lease_id": lease.lease_id, "expires_at": lease.expires_at})
+            body = columns.pack_merged(lease.blobs, {"lease_id": lease.lease_id, "expires_at": lease.expires_at})
             return Response(body, media_type=columns.COLUMNS)
         except columns.NotColumnar:
             accept = wire.MSGPACK

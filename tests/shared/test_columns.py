@@ -58,6 +58,13 @@ def test_round_trip_rows_columns_rows() -> None:
     again, top = C.decode(merged.pack({"lease_id": "L", "expires_at": 1.5}), ("lease_id", "expires_at"))
     assert top == {"lease_id": "L", "expires_at": 1.5} and again.to_rows() == groups
     assert [g.group_id for g in again.to_groups()] == ["a", "b", "c"]
+    # the lease answer written straight from the blobs decodes to the same columns and extra keys
+    body = C.pack_merged([blobs[0], msgpack.packb(groups[1]), blobs[2]], {"lease_id": "L", "expires_at": 1.5})
+    direct, top = C.decode(body, ("lease_id", "expires_at"))
+    assert top == {"lease_id": "L", "expires_at": 1.5} and direct.to_rows() == groups
+    assert msgpack.unpackb(body) == msgpack.unpackb(merged.pack({"lease_id": "L", "expires_at": 1.5}))
+    one, _ = C.decode(C.pack_merged(blobs[:1], {"lease_id": "L", "expires_at": 1.5}), ("lease_id", "expires_at"))
+    assert one.to_rows() == groups[:1]
     assert C.blob_rows(blobs[1]) == groups[1]
 
 
@@ -178,3 +185,9 @@ def test_malformed_bodies() -> None:
         with pytest.raises(wire.WireError) as e:
             C.decode(body)
         assert e.value.message.startswith(msg), e.value.message
+
+
+@pytest.mark.parametrize("n", [0, 255, 256, 65535, 65536, 1 << 20])
+def test_bin_headers_are_msgpacks(n: int) -> None:
+    data = b"x" * n
+    assert C._bin_header(n) + data == msgpack.packb(data, use_bin_type=True)
