@@ -20,7 +20,7 @@ Both use the same prompts, greedy sampling and ``ignore_eos``, so every call gen
 ``--new-tokens`` tokens; ``--groups`` x ``--n`` samples (episodes) run at once (default 4 x 8 = 32).
 Each round is one ``POST /v1/generate_batch`` (or one batch of external episodes); the paths take turns.
 
-    python bench/agent_gateway_bench.py [--groups 4] [--n 8] [--new-tokens 16] [--turns 1] [--rounds 3] [--external]
+    python bench/agent_gateway_bench.py [--groups 4] [--n 8] [--new-tokens 16] [--turns 1] [--rounds 12] [--external]
 
 Prints, per path, the median wall time of one call (timed inside the service around
 ``ctx.generate`` / ``client.chat.completions.create``) and the generated tokens/s of the round
@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="episodes per group (groups x n run at once)")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--turns", type=int, default=1, help="chat calls per episode")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=12, help="timed rounds per path (the machine is noisy: medians)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     ap.add_argument("--external", action="store_true",
                     help="also time external agents: this process drives episodes over loopback HTTP")

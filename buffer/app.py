@@ -43,7 +43,7 @@ from headrace.buffer.ingest import parse_groups
 from headrace.buffer.metrics import CONTENT_TYPE, BufferMetrics
 from headrace.buffer.policy import BufferFull, LeaseConflict, LeaseNotFound, NotInLease
 from headrace.buffer.store import GroupRow, Lease, PostResult, Store
-from headrace.shared import columns, wire
+from headrace.shared import column_blobs, columns, wire
 from headrace.shared.auth import Guard
 from headrace.shared.config import AuthConfig, BufferConfig
 from headrace.shared.schemas import ExtendLeaseRequest, LeaseRequest, PolicyVersionRequest, RejectLeaseRequest
@@ -175,17 +175,17 @@ def _lease_answer(lease: Lease, accept: str | None) -> Response:
     blobs straight into a msgpack answer; column blobs and JSON answers are decoded first."""
     if columns.is_columns(accept):
         try:
-            body = columns.pack_merged(lease.blobs, {"lease_id": lease.lease_id, "expires_at": lease.expires_at})
+            body = column_blobs.pack_merged(lease.blobs, {"lease_id": lease.lease_id, "expires_at": lease.expires_at})
             return Response(body, media_type=columns.COLUMNS)
         except columns.NotColumnar:
             accept = wire.MSGPACK
     if wire.is_msgpack(accept):
         p = msgpack.Packer(use_bin_type=True)
-        blobs = [b if b[:4] != columns.BLOB_MAGIC else p.pack(columns.blob_rows(b)) for b in lease.blobs]
+        blobs = [b if b[:4] != columns.BLOB_MAGIC else p.pack(column_blobs.blob_rows(b)) for b in lease.blobs]
         parts = [p.pack_map_header(3), p.pack("lease_id"), p.pack(lease.lease_id), p.pack("groups"),
                  p.pack_array_header(len(blobs)), *blobs, p.pack("expires_at"), p.pack(lease.expires_at)]
         return Response(b"".join(parts), media_type=wire.MSGPACK)
-    groups = [columns.blob_rows(b) for b in lease.blobs]
+    groups = [column_blobs.blob_rows(b) for b in lease.blobs]
     body = wire.dumps_json({"lease_id": lease.lease_id, "groups": groups, "expires_at": lease.expires_at})
     return Response(body, media_type=wire.JSON)
 

@@ -26,8 +26,7 @@ Guarantees:
   ``prompt_tokens`` (a pause in abort mode then drains every request, also one that arrived after
   it); ``/health`` answers 503 while paused (SGLang's /health cannot
   generate then), ``/get_model_info`` stays 200.
-- A launched vLLM that exits stops the adapter (exit status 3), so the fleet sees the engine's
-  process exit and restarts it, also while paused (when it probes only ``/get_model_info``).
+- A launched vLLM that exits stops the adapter (status 3: the fleet restarts it; ``vllm_launch``).
 - Start-up checks (exit 2 with one line naming the URL and the fix): the upstream must be vLLM
   (``/version``), of the supported version, in dev mode (its RL routes answer), serving the model,
   with Headrace's weight-transfer engine (``--weight-transfer-config '{"backend": "headrace"}'``).
@@ -46,11 +45,9 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -61,6 +58,7 @@ from fastapi.responses import JSONResponse
 
 from headrace.shared.auth import TOKEN_ENV, Guard, BearerAuth, bearer_headers
 from headrace.shared.procs import free_port
+from headrace.rollout.vllm_launch import CHILD_DIED, load_tokenizer, vllm_command, vllm_env, wait_started, watch_child
 
 log = logging.getLogger("headrace.rollout.vllm")
 SUPPORTED = "0.32"
@@ -81,30 +79,6 @@ MAX_BODY = 64 << 20
 
 class BadRequest(ValueError):
     """A request this adapter refuses (400 naming the problem)."""
-
-
-def vllm_command(python: str, model: str, port: int, extra: list[str]) -> list[str]:
-    """The vLLM server command line (CPU-friendly flags first; ``extra`` may override them)."""
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
-            "--max-num-seqs", "64", "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
-            "--distributed-executor-backend", "uni",   # the worker inside the engine core: ~1.5 GB and one start-up less
-            "--weight-transfer-config", '{"backend": "headrace"}', *extra]   # headrace_vllm_ext's gloo engine
-
-
-def vllm_env(token: str | None) -> dict[str, str]:
-    """vLLM's environment: dev mode (RL routes), 1 GiB of CPU KV cache, one OpenMP thread."""
-    env = dict(os.environ)
-    env.pop(TOKEN_ENV, None)
-    env.pop("PYTHONPATH", None)   # the vLLM venv must not see this venv's packages
-    env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
-    if token:
-        env["VLLM_API_KEY"] = token   # vLLM reads its --api-key from here: never on a command line
-    return env
 
 
 def to_vllm_sampling(sp: dict[str, Any]) -> dict[str, Any]:
@@ -452,32 +426,6 @@ def build_app(adapter: Adapter, token: str | None) -> FastAPI:
     return app
 
 
-def _tokenizer(model: str) -> Any:
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model)
-    except Exception as e:  # noqa: BLE001 - text prompts are then refused with a clear 400
-        log.warning("no tokenizer for %s (%s): text prompts will be refused", model, e)
-        return None
-
-
-def _wait_started(proc: subprocess.Popen, url: str, timeout_s: float) -> str | None:
-    """Poll vLLM's /health with one client, once a second (a fresh client per poll costs CPU that
-    vLLM's start-up needs); why it never came up, or None."""
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return f"it exited with {proc.returncode} (its log is above)"
-            try:
-                if client.get(url).status_code == 200:
-                    return None
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-    return f"{url} not healthy after {timeout_s:.0f} s (rollout.engines.startup_timeout_s)"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m headrace.rollout.vllm_backend",
                                  description="serve SGLang's API for one vLLM server")
@@ -506,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         from headrace.rollout.fleet import die_with_parent
         proc = subprocess.Popen(cmd, env=vllm_env(token), preexec_fn=die_with_parent())   # SIGTERM when we die
         upstream = f"http://127.0.0.1:{port}"
-        why = _wait_started(proc, f"{upstream}/health", a.startup_timeout_s)
+        why = wait_started(proc, f"{upstream}/health", a.startup_timeout_s)
         if why:
             print(f"vllm adapter: vLLM did not start: {why}", file=sys.stderr)
             proc.terminate()
@@ -520,14 +468,14 @@ def main(argv: list[str] | None = None) -> int:
         if proc is not None:
             proc.terminate()
         return 2
-    adapter.tokenizer = _tokenizer(a.model)   # after the check: importing transformers takes seconds
+    adapter.tokenizer = load_tokenizer(a.model)   # after the check: importing transformers takes seconds
     adapter.http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), headers=bearer_headers(token),
                                      limits=httpx.Limits(max_connections=4096, max_keepalive_connections=64))
     if a.parent_pid:
         watch_parent(a.parent_pid)
     stopping = threading.Event()
     if proc is not None:
-        _watch_child(proc, stopping)
+        watch_child(proc, stopping)
     try:
         serve(BodyLimit(build_app(adapter, token), MAX_BODY, "vllm adapter"), a.host, a.port, name="vllm-adapter")
     finally:
@@ -538,27 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    return 3 if _CHILD_DIED.is_set() else 0
-
-
-_CHILD_DIED = threading.Event()
-
-
-def _watch_child(proc: subprocess.Popen, stopping: threading.Event, interval_s: float = 1.0) -> None:
-    """A daemon thread: when the launched vLLM exits while this adapter is not stopping, stop the
-    adapter too (exit status 3), so that the fleet sees the engine's process exit and restarts it,
-    paused or not (a paused fleet probes only ``/get_model_info``, which this adapter answers itself)."""
-    def watch() -> None:
-        while not stopping.is_set():
-            if proc.poll() is not None:
-                if not stopping.is_set():
-                    log.error("vLLM (pid %d) exited with %s; stopping this adapter", proc.pid, proc.returncode)
-                    _CHILD_DIED.set()
-                    os.kill(os.getpid(), signal.SIGTERM)
-                return
-            time.sleep(interval_s)
-
-    threading.Thread(target=watch, name="vllm-child-watch", daemon=True).start()
+    return 3 if CHILD_DIED.is_set() else 0
 
 
 if __name__ == "__main__":

@@ -35,15 +35,16 @@ class TokenStack(Stack):
                             env=child_env(HEADRACE_LOG_LEVEL="INFO", HEADRACE_TOKEN=self.token))
         self.rollout.wait_http(f"{self.url}/health", timeout=240)
 
-    def call(self, method: str, path: str, body: Any = None, token: str | None | object = OWN) -> httpx.Response:
+    def call(self, method: str, path: str, body: Any = None, token: str | None | object = OWN,
+             timeout: float = 300) -> httpx.Response:
         """``token``: the stack's own by default; None sends no Authorization header."""
         if token is OWN:
             token = self.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.request(method, f"{self.url}{path}", json=body, headers=headers, timeout=300)
+        return httpx.request(method, f"{self.url}{path}", json=body, headers=headers, timeout=timeout)
 
-    def get(self, path: str) -> Any:
-        r = self.call("GET", path)
+    def get(self, path: str, timeout: float = 300) -> Any:
+        r = self.call("GET", path, timeout=timeout)
         r.raise_for_status()
         return r.json()
 

@@ -40,8 +40,8 @@ class TokenStack(Stack):
                                          str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log", env=env)
         self.rollout.wait_http(f"{self.url}/health", timeout=2 * STARTUP_TIMEOUT_S)
 
-    def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/status", headers=RIGHT, timeout=30).json()
+    def status(self, timeout: float = 30) -> dict:
+        return httpx.get(f"{self.url}/v1/status", headers=RIGHT, timeout=timeout).json()
 
 
 @pytest.mark.timeout(1800)

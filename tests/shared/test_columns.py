@@ -14,6 +14,7 @@ import pytest
 from pydantic import ValidationError
 
 from headrace.shared import columns as C
+from headrace.shared import column_blobs as B
 from headrace.shared import wire
 from headrace.shared.schemas import PostGroupsRequest
 
@@ -53,19 +54,19 @@ def test_round_trip_rows_columns_rows() -> None:
     # one-group blobs, merged back (with a stored row blob in the middle), give the same rows
     blobs = cols.group_blobs()
     assert all(b[:4] == C.BLOB_MAGIC for b in blobs)
-    merged = C.merge([blobs[0], msgpack.packb(groups[1]), blobs[2]])
+    merged = B.merge([blobs[0], msgpack.packb(groups[1]), blobs[2]])
     assert merged.to_rows() == groups
     again, top = C.decode(merged.pack({"lease_id": "L", "expires_at": 1.5}), ("lease_id", "expires_at"))
     assert top == {"lease_id": "L", "expires_at": 1.5} and again.to_rows() == groups
     assert [g.group_id for g in again.to_groups()] == ["a", "b", "c"]
     # the lease answer written straight from the blobs decodes to the same columns and extra keys
-    body = C.pack_merged([blobs[0], msgpack.packb(groups[1]), blobs[2]], {"lease_id": "L", "expires_at": 1.5})
+    body = B.pack_merged([blobs[0], msgpack.packb(groups[1]), blobs[2]], {"lease_id": "L", "expires_at": 1.5})
     direct, top = C.decode(body, ("lease_id", "expires_at"))
     assert top == {"lease_id": "L", "expires_at": 1.5} and direct.to_rows() == groups
     assert msgpack.unpackb(body) == msgpack.unpackb(merged.pack({"lease_id": "L", "expires_at": 1.5}))
-    one, _ = C.decode(C.pack_merged(blobs[:1], {"lease_id": "L", "expires_at": 1.5}), ("lease_id", "expires_at"))
+    one, _ = C.decode(B.pack_merged(blobs[:1], {"lease_id": "L", "expires_at": 1.5}), ("lease_id", "expires_at"))
     assert one.to_rows() == groups[:1]
-    assert C.blob_rows(blobs[1]) == groups[1]
+    assert B.blob_rows(blobs[1]) == groups[1]
 
 
 @pytest.mark.parametrize("change", [
@@ -190,4 +191,4 @@ def test_malformed_bodies() -> None:
 @pytest.mark.parametrize("n", [0, 255, 256, 65535, 65536, 1 << 20])
 def test_bin_headers_are_msgpacks(n: int) -> None:
     data = b"x" * n
-    assert C._bin_header(n) + data == msgpack.packb(data, use_bin_type=True)
+    assert B._bin_header(n) + data == msgpack.packb(data, use_bin_type=True)

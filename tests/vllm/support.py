@@ -2,7 +2,7 @@
 
 vLLM runs from the venv built by ``scripts/build_vllm_venv.sh`` (``tests.procs.VLLM_PYTHON``);
 the adapter (``python -m headrace.rollout.vllm_backend``) runs from this venv, launches vLLM on a
-private loopback port with the flags of ``rollout.vllm_backend.vllm_command`` and serves SGLang's
+private loopback port with the flags of ``rollout.vllm_launch.vllm_command`` and serves SGLang's
 API on ``url``. One process group: ``stop`` ends the adapter and vLLM (api server and engine core)
 by pid. Startup is 30-60 s on an idle 2-core box, several minutes on a loaded one.
 """
