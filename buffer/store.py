@@ -29,7 +29,8 @@ Guarantees (file-backed store):
 Each group is one small row of indexed columns (seq, group_id, weight_version, state, lease_id)
 plus its msgpack blob in a separate table, so that state changes (lease, ack, expiry) rewrite a
 few bytes and never the payload. Blobs of consumed and evicted groups are deleted in small
-batches by ``purge`` (called when idle) and at open, off the ack path. Pages are 64 KiB: a group
+batches by ``purge`` (called when idle) and at open, off the ack path; WAL checkpoints run on their
+own thread (``buffer.checkpointer``), never inside a commit. Pages are 64 KiB: a group
 of 8 x 2,048 tokens is ~200 KB. With ``path=None`` the database lives in memory: same
 semantics, not durable.
 
@@ -43,6 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from headrace.buffer.checkpointer import WalCheckpointer
 from headrace.buffer.policy import (BufferFull, GroupState, LeaseConflict, LeaseNotFound, LeaseState, NotInLease,
                                     lease_transition, retry_after_s)
 from headrace.shared.staleness import stale_cutoff
@@ -80,6 +82,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) W
 """
 
 _SYNC = {"process_crash": "NORMAL", "power_loss": "FULL"}   # buffer.durability -> PRAGMA synchronous
+_WAL_KEEP_BYTES = 64 << 20   # the WAL file is cut back to this when it restarts after a checkpoint
 _COUNTERS = ("duplicates", "rejected", "throttled", "policy_version")
 _MAX_VARS = 900  # stay below SQLite's bound-parameter limit on old builds
 
@@ -124,6 +127,9 @@ class Store:
             if mode.lower() != "wal":
                 raise RuntimeError(f"{path}: SQLite refused WAL mode (got {mode!r})")
             self.db.execute(f"PRAGMA synchronous={_SYNC[durability]}")
+            # checkpoints run on their own thread (buffer.checkpointer), never inside a post's or an ack's commit
+            self.db.execute("PRAGMA wal_autocheckpoint=0")
+            self.db.execute(f"PRAGMA journal_size_limit={_WAL_KEEP_BYTES}")
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone() is not None and \
                 "held" not in {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}:
             self.db.execute("ALTER TABLE leases ADD COLUMN held INTEGER NOT NULL DEFAULT 0")  # a pre-held database
@@ -138,6 +144,7 @@ class Store:
         self.held: dict[str, int] = {}  # active held lease id -> its groups
         self._recover()
         self.to_purge = self.db.execute("SELECT 1 FROM purge LIMIT 1").fetchone() is not None
+        self.checkpointer = WalCheckpointer(path) if path else None
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -437,6 +444,8 @@ class Store:
         }
 
     def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.stop()
         try:
             with self._txn():
                 self._save_counters()

@@ -6,6 +6,9 @@ explicit clock instead of sleeps.
 
 from __future__ import annotations
 
+import os
+import sqlite3
+import time
 from pathlib import Path
 
 import msgpack
@@ -138,3 +141,29 @@ def test_held_leases_expire_like_others_and_reject_checks_membership(tmp_path: P
     assert s.reject(other.lease_id, ["b"], "bad", now=121.0) == (1, 1)
     page, nxt = s.dead_letters(0, 10)
     assert [(d["group_id"], d["reason"], d["at"]) for d in page] == [("b", "bad", 121.0)] and nxt is None
+
+
+def test_wal_checkpoints_run_on_their_own_thread_and_lose_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "b.sqlite"
+    s = Store(str(db), 10**6, 10**6)
+    assert s.db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0   # never inside a commit
+    assert s.checkpointer is not None
+    big = b"\x00" * (256 << 10)
+    for i in range(40):   # ~10 MB of blobs: WAL frames to copy
+        s.post([GroupRow(f"g{i}", (f"g{i}/0",), 0, big)])
+    deadline = time.monotonic() + 30
+    while s.checkpointer.checkpoints < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert s.checkpointer.checkpoints >= 1, "no background checkpoint"
+    with sqlite3.connect(db) as other:   # everything committed is in the database file now
+        busy, frames, done = other.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    assert busy == 0 and frames == done
+    s.close()
+    assert not s.checkpointer._thread.is_alive()
+    assert not os.path.exists(f"{db}-wal") or os.path.getsize(f"{db}-wal") <= 64 << 20
+    again = Store(str(db), 10**6, 10**6)
+    try:
+        got = again.lease(40, 60, None)
+        assert got is not None and got.blobs == [big] * 40
+    finally:
+        again.close()
