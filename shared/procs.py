@@ -1,6 +1,9 @@
 """Process plumbing every launcher shares: free ports, child environments, health polling, and
 ending a process group we started.
 
+``free_port`` picks below the kernel's ephemeral range, so no outgoing connection can take the port
+between the pick and the child's bind.
+
 Guarantees: ``stop_group`` signals only the process group of a child started with
 ``start_new_session=True`` (its own group, so the child's descendants end with it), never a
 process by name; it returns once the child has exited or after SIGKILL. ``child_env`` bounds torch
@@ -11,6 +14,7 @@ OpenMP pools slow each other down ~30x. Nothing here imports torch.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,21 +28,35 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+# Where ``free_port`` picks: below the kernel's ephemeral range (32768+ by default), where bind(0)
+# and every outgoing connection take their ports, so a port picked there can be taken before the
+# child that was given it binds it; and below 22000-29999, where SGLang picks its own.
+PICK_RANGE = (15000, 21999)
+PICK_ATTEMPTS = 64
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether ``port`` can be bound on ``host`` right now."""
+    """Whether ``port`` can be bound on ``host`` right now (without SO_REUSEADDR, so a port still
+    in TIME_WAIT counts as taken)."""
     with socket.socket(_family(host), socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
             return False
         return True
+
+
+def free_port(host: str = "127.0.0.1", pick: tuple[int, int] = PICK_RANGE) -> int:
+    """A TCP port that is free on ``host`` right now, for a child to bind later: a random one of
+    ``pick`` (outside the ephemeral range, see ``PICK_RANGE``); the OS's choice if none of
+    ``PICK_ATTEMPTS`` tries is free."""
+    low, high = pick
+    for port in random.sample(range(low, high + 1), min(PICK_ATTEMPTS, high - low + 1)):
+        if port_free(port, host):
+            return port
+    with socket.socket(_family(host), socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def child_env(threads: int = 1, extra: Mapping[str, str] | None = None) -> dict[str, str]:

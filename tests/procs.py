@@ -1,12 +1,16 @@
 """Test helpers for real processes on loopback: free ports, start, wait for health, stop by pid.
 
 Tests end only the processes they started (by pid, SIGTERM then SIGKILL), never by name.
+``free_port`` hands each xdist worker its own block of ports, below both the kernel's ephemeral
+range and the range the services' own ``free_port`` picks from, so no test can be given a port
+another test, a service or an outgoing connection holds or is about to bind.
 Child processes get few torch threads and OMP_WAIT_POLICY=PASSIVE: on the 2-core machine
 spinning OpenMP threads of several processes slow each other down 30x.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -16,13 +20,40 @@ from typing import Iterator, Sequence
 
 from headrace.deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
 from headrace.shared.procs import child_env as service_env
-from headrace.shared.procs import free_port  # noqa: F401  (re-exported for tests)
-from headrace.shared.procs import signal_group, stop_group, wait_http
+from headrace.shared.procs import port_free, signal_group, stop_group, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
 # the python of the SGLang venv (`make sglang-venv`) that the `sglang` test tier runs servers with
 SGLANG_PYTHON = Path(os.environ.get("HEADRACE_SGLANG_PYTHON", REPO / ".venv-sglang" / "bin" / "python"))
 VLLM_PYTHON = Path(os.environ.get("HEADRACE_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
+
+
+# Tests' ports: TEST_PORTS split into one block per xdist worker, handed out in steps of PORT_STEP
+# (a fleet binds base_port + i for its engines); a port is handed out again only after its whole
+# block has been, and only when it can be bound then.
+TEST_PORTS = (10000, 14999)
+PORT_STEP = 4
+
+
+def _worker_ports() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) % count if worker.isdigit() else 0
+    size = (TEST_PORTS[1] - TEST_PORTS[0] + 1) // count
+    start = TEST_PORTS[0] + index * size
+    return range(start, start + size - PORT_STEP + 1, PORT_STEP)
+
+
+_next_port = itertools.cycle(_worker_ports())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port of this worker's block that ``host`` can bind now, with the PORT_STEP - 1 above it."""
+    for _ in range(len(_worker_ports())):
+        port = next(_next_port)
+        if all(port_free(port + i, host) for i in range(PORT_STEP)):
+            return port
+    raise RuntimeError(f"no free port left in this worker's block of {TEST_PORTS}")
 
 
 def child_env(threads: int = 1, **extra: str) -> dict[str, str]:
