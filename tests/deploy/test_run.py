@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from headrace.deploy.supervisor import descendants
-from tests.procs import REPO, Proc, child_env, headrace_cmd
+from tests.procs import REPO, Proc, child_env, free_port, headrace_cmd
 
 GROUPS, N = 4, 4
 ACKED = 2      # buffer/store.py group state of an acknowledged (consumed) group
@@ -38,6 +38,9 @@ def write_config(path: Path, model: Path, out: Path, *, placement: str, steps: i
     from headrace.deploy.demo import demo_config_dict
 
     c = demo_config_dict(model=str(model), out=str(out), steps=steps, eval_every=2, eval_size=16, placement=placement)
+    # this worker's ports: two runs starting at once on the defaults could both find a port free
+    c["buffer"]["port"], c["rollout"]["port"] = free_port(), free_port()
+    c["rollout"]["engines"]["base_port"] = free_port()
     c["rollout"]["groups_per_step"] = GROUPS
     c["rollout"]["n_samples_per_prompt"] = N
     c["run"].update(run)

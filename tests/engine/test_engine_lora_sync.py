@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.engine.engine_contract import prompt_ids
-from tests.procs import REPO, child_env, headrace_cmd, reference_engine
+from tests.procs import REPO, child_env, free_port, headrace_cmd, reference_engine
 
 STEPS = 3
 
@@ -37,6 +37,7 @@ def test_adapter_sync_loads_each_version_and_unloads_the_previous(tiny_model: Pa
         c["rollout"].update(groups_per_step=2, n_samples_per_prompt=4, reward="tests.engine.lora_support:parity_reward",
                             engines={"backend": "external", "urls": [url]})
         c["trainer"].update(threads=1, lr=2e-2, lora={"rank": 4, "alpha": 8}, lora_sync="adapter")
+        c["buffer"]["port"], c["rollout"]["port"] = free_port(), free_port()
         cfg = tmp_path / "run.yaml"
         cfg.write_text(yaml.safe_dump(c))
         r = subprocess.run(headrace_cmd("run", "--config", str(cfg)), cwd=REPO, env=child_env(), capture_output=True,

@@ -34,7 +34,9 @@ class Stack:
         self.buffer_url = f"http://127.0.0.1:{self.buffer_port}"
         self.url = f"http://127.0.0.1:{self.rollout_port}"
         rollout = {"state_path": str(tmp / "rollout_state.json"), **rollout}
-        rollout.setdefault("engines", {"backend": "reference", "count": 1, "base_port": free_port()})
+        rollout.setdefault("engines", {"backend": "reference", "count": 1})
+        if rollout["engines"].get("backend", "reference") != "external":   # this worker's ports, not 30000 + i
+            rollout["engines"] = {"base_port": free_port(), **rollout["engines"]}
         self.config = tmp / "run.yaml"
         self.config.write_text(yaml.safe_dump({
             "model": str(model), "buffer": {"url": self.buffer_url, "max_staleness": max_staleness},
