@@ -12,8 +12,9 @@ Guarantees:
 - ``/v1/pause`` returns only when no engine request is in flight. ``abort`` pauses the engines
   (``/pause_generation {"mode":"abort"}``, repeated ``/abort_request {"abort_all":true}`` until
   idle; every third round, continue and pause again, so that a request that reached an engine
-  after its pause, held where abort does not reach as in SGLang, is let in and aborted); the aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of
-  their budget; the answer's ``partial`` says how many requests hold partial tokens (also in
+  after its pause, held where abort does not reach as in SGLang, is let in and aborted); the
+  aborted samples keep their tokens and continue after ``/v1/resume`` with the rest of their
+  budget; the answer's ``partial`` says how many requests hold partial tokens (also in
   ``/v1/status``). ``drain`` lets running requests finish and admits no new ones.
 - ``/v1/resume {"weight_version": v}`` marks v as the engines' weights (engines restarted meanwhile
   rejoin routing), continues the engines and tags every later token with v.
