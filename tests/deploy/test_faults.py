@@ -41,14 +41,16 @@ def _steps_done(metrics: Path) -> int:
     return max([r["step"] for r in _rows(metrics) if r.get("loss") is not None], default=0)
 
 
-def _diagnosis(procs: dict, rollout_url: str) -> str:
-    """What a stalled run looks like from outside: the rollout's status and every log's tail."""
+def _diagnosis(procs: dict, rollout_url: str, phase: str) -> str:
+    """What a stalled run looks like from outside: every log's tail, then the rollout's status and
+    the phase last (a report that keeps only the end of a long message keeps those)."""
     try:
         status = httpx.get(f"{rollout_url}/v1/status", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10).text
     except httpx.HTTPError as e:
         status = f"unreachable: {e}"
     tails = "\n".join(f"--- {name} ---\n{p.log()[-2500:]}" for name, p in procs.items())
-    return f"rollout /v1/status: {status[:3000]}\n{tails}"
+    alive = ", ".join(f"{name} {'alive' if p.alive() else f'exited {p.popen.returncode}'}" for name, p in procs.items())
+    return f"{tails}\nrollout /v1/status: {status[:3000]}\nprocesses: {alive}\nSTALLED {phase}"
 
 
 def _stats(url: str) -> dict:
@@ -112,7 +114,8 @@ def test_kill9_of_every_service_keeps_exactly_once(tmp_path: Path) -> None:
             deadline = time.monotonic() + 300   # at most 5 steps per phase: a stall, not slowness, beyond it
             while _steps_done(metrics) < after:
                 assert procs["trainer"].alive(), procs["trainer"].log()[-6000:]
-                assert time.monotonic() < deadline, _diagnosis(procs, rollout_url)
+                assert time.monotonic() < deadline, _diagnosis(
+                    procs, rollout_url, f"before killing the {name} after step {after}: {_steps_done(metrics)} steps done")
                 time.sleep(0.2)
             procs[name].kill9()
             if name == "trainer":
@@ -124,7 +127,8 @@ def test_kill9_of_every_service_keeps_exactly_once(tmp_path: Path) -> None:
             start(name)
         deadline = time.monotonic() + 600
         while procs["trainer"].alive():
-            assert time.monotonic() < deadline, _diagnosis(procs, rollout_url)
+            assert time.monotonic() < deadline, _diagnosis(
+                procs, rollout_url, f"after the last fault: {_steps_done(metrics)} of {STEPS} steps done")
             time.sleep(0.5)
         assert procs["trainer"].popen.returncode == 0, procs["trainer"].log()[-6000:]
         assert _steps_done(metrics) == STEPS
