@@ -281,8 +281,8 @@ class EngineContract:
                 res = bg.wait()
             finally:
                 assert post(engine, "/continue_generation").status_code == 200
-            # a fast engine (vLLM on the tiny model) can finish all LONG tokens before the pause
-            # lands: then the precondition did not hold, and the scenario runs again, pausing sooner
+            # a request that finished all LONG tokens before the pause landed (a pause delayed on a
+            # loaded machine) did not meet the precondition: the scenario runs again, pausing sooner
             if res["meta_info"]["finish_reason"]["type"] != "length":
                 break
         meta = res["meta_info"]
