@@ -150,6 +150,12 @@ async def _external(url: str, groups: int, n: int, turns: int, first: int) -> li
     return calls
 
 
+def _sent(url: str) -> tuple[int, int]:
+    """(engine /generate requests, sequences they carried) so far by the service at ``url``."""
+    st = httpx.get(f"{url}/v1/status", timeout=30.0).json()
+    return st["generate_requests"], st["sequences_sent"]
+
+
 def read_calls(path: Path) -> list[tuple[str, float, int]]:
     if not path.exists():
         return []
@@ -229,6 +235,7 @@ def main() -> None:
         per_call: dict[str, list[float]] = {k: [] for k in urls}
         tps: dict[str, list[float]] = {k: [] for k in urls}
         cpu = dict.fromkeys(urls, 0.0)
+        sent = {k: _sent(urls[k]) for k in urls}
         spies = [Proc([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pids[k]), "--nonblocking",
                        "--rate", "250", "--format", "raw", "-o", f"{args.py_spy}-{k}.txt"], tmp / f"py-spy-{k}.log")
                  for k in ("generate", "gateway")] if args.py_spy else []
@@ -258,6 +265,7 @@ def main() -> None:
         for spy in spies:   # SIGINT: py-spy writes its file and exits
             spy.popen.send_signal(signal.SIGINT)
             spy.popen.wait(60)
+        sent = {k: tuple(b - a for a, b in zip(sent[k], _sent(urls[k]))) for k in urls if k != "external"}
         med = {k: statistics.median(v) for k, v in per_call.items()}
         ratio = med["gateway"] / med["generate"]
         result = {"bench": "agent_gateway", "preset": args.preset, "concurrent_episodes": concurrent,
@@ -270,6 +278,7 @@ def main() -> None:
                   "tokens_per_s_ratio": round(statistics.median(tps["gateway"]) / statistics.median(tps["generate"]), 3),
                   "service_cpu_ms_per_call": {k: round(v * 1e3 / (args.rounds * concurrent * args.turns), 2)
                                               for k, v in cpu.items()},
+                  "sequences_per_engine_request": {k: round(s / max(r, 1), 1) for k, (r, s) in sent.items()},
                   "generate_round_s": round(statistics.median(walls["generate"]), 3),
                   "gateway_round_s": round(statistics.median(walls["gateway"]), 3)}
         if args.external:

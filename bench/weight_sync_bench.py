@@ -52,6 +52,41 @@ def smollm2_shapes() -> list[tuple[str, list[int]]]:
     return out + [("model.norm.weight", [s["hidden"]])]
 
 
+def trainer_order(shapes: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
+    """The same tensors in the order the trainer exports them (``param_specs``): embedding, final
+    norm, then per layer the two norms, q, k, v, o, gate, up, down."""
+    rank = {"input_layernorm": 0, "post_attention_layernorm": 1, "q_proj": 2, "k_proj": 3, "v_proj": 4,
+            "o_proj": 5, "gate_proj": 6, "up_proj": 7, "down_proj": 8}
+
+    def key(item: tuple[str, list[int]]) -> tuple[int, int, int]:
+        parts = item[0].split(".")
+        if parts[1] == "embed_tokens":
+            return (0, 0, 0)
+        if parts[1] == "norm":
+            return (1, 0, 0)
+        return (2, int(parts[2]), rank[parts[-2]])
+
+    return sorted(shapes, key=key)
+
+
+def as_layout(tensors: list[tuple[str, "torch.Tensor"]], layout: str) -> list[tuple[str, "torch.Tensor"]]:
+    """``flat``: the tensors as back-to-back views of one buffer, in trainer order, as the trainer
+    holds its parameters at TP 1 (``trainer.model.loading.lay_out_flat``); ``separate``: one
+    allocation per tensor (a TP-gathered or otherwise copied export)."""
+    import torch
+
+    if layout == "separate":
+        return tensors
+    by_name = dict(tensors)
+    ordered = [(n, by_name[n]) for n, _ in trainer_order([(n, list(t.shape)) for n, t in tensors])]
+    flat = torch.cat([t.reshape(-1) for _, t in ordered])
+    out, offset = [], 0
+    for n, t in ordered:
+        out.append((n, flat[offset:offset + t.numel()].view(t.shape)))
+        offset += t.numel()
+    return out
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
                TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
@@ -119,6 +154,9 @@ def main() -> None:
     ap.add_argument("--load-format", choices=["auto", "flattened_bucket", "per_tensor"], default="auto",
                     help="one flat tensor per bucket, or one broadcast per tensor (SGLang's default); "
                          "auto = WeightSender's default (per tensor on gloo)")
+    ap.add_argument("--layout", choices=["flat", "separate"], default="flat",
+                    help="flat: the sent tensors are views of one buffer in trainer order, as the trainer's "
+                         "parameters at TP 1; separate: one allocation per tensor")
     ap.add_argument("--in-place", action="store_true",
                     help="receiver target, per_tensor: receive straight into the stored tensors (no load copy)")
     ap.add_argument("--out", type=Path, default=REPO / "runs" / "bench" / "weight_sync")
@@ -146,10 +184,12 @@ def main() -> None:
     else:
         g = torch.Generator().manual_seed(0)
         tensors = [(n, torch.randn(s, generator=g)) for n, s in smollm2_shapes()]
+    tensors = as_layout(tensors, args.layout)
     numel = sum(t.numel() for _, t in tensors)
     nbytes = numel * 4
     print(f"{len(tensors)} tensors, {numel / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32, "
           f"{args.engines} {args.target} engines, {args.load_format}{' in place' if args.in_place else ''}, "
+          f"{args.layout} layout, "
           f"{os.cpu_count()} CPUs", flush=True)
 
     buckets = [int(float(b) * (1 << 20)) for b in args.buckets_mb.split(",")]
@@ -175,6 +215,8 @@ def main() -> None:
                               load_format={"per_tensor": None}.get(args.load_format, args.load_format))
         sender.connect()
         sender.update(tensors, weight_version=0)  # warm-up: first touch of every buffer on both sides
+        print(f"warm-up update: {sender.last_stats['buckets']} buckets, {sender.last_stats['zero_copy_buckets']} "
+              "sent straight from the tensors' storage", flush=True)
         times: dict[str, list[float]] = {"raw": []}
         version = 0
         for rep in range(args.repeats):

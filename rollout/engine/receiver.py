@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from headrace.shared.weight_sync.buckets import parse_dtype, unflatten_bucket
+from headrace.shared.weight_sync.buckets import contiguous_run, parse_dtype, unflatten_bucket
 from headrace.shared.weight_sync.group import destroy_update_group, join_update_group
 from headrace.shared.weight_sync.protocol import FLATTENED
 
@@ -116,18 +116,14 @@ class WeightReceiver:
         with the announced dtype and shapes (the reference engine lays its weights out in the
         trainer's order), the flat 1-D view of that range and the (name, own tensor) pairs: the
         bucket is then received straight into the weights. None otherwise (received into a buffer)."""
-        own, end = [], None
+        own = []
         for name, shape in zip(names, shapes):
             t = dest(name)
-            if (t is None or t.dtype != dtype or list(t.shape) != list(shape) or not t.is_contiguous()
-                    or t.device != self.device or (end is not None and t.data_ptr() != end)
-                    or (own and t.untyped_storage().data_ptr() != own[0][1].untyped_storage().data_ptr())):
+            if t is None or t.dtype != dtype or list(t.shape) != list(shape) or t.device != self.device:
                 return None
             own.append((name, t))
-            end = t.data_ptr() + t.numel() * t.element_size()
-        first = own[0][1]
-        total = sum(t.numel() for _, t in own)
-        return first.as_strided((total,), (1,), first.storage_offset()), own
+        run = contiguous_run([t for _, t in own])
+        return None if run is None else (run, own)
 
     def _buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """The front of a receive buffer kept per dtype (grown as needed), so a many-bucket update

@@ -23,7 +23,7 @@ from headrace.shared.weight_sync.protocol import (DEFAULT_GROUP, FLATTENED, Dest
 
 _LAZY = {"WeightSender": "sender", "join_update_group": "group", "destroy_update_group": "group",
          "plan_buckets": "buckets", "flatten_bucket": "buckets", "unflatten_bucket": "buckets",
-         "dtype_name": "buckets", "parse_dtype": "buckets"}
+         "dtype_name": "buckets", "parse_dtype": "buckets", "contiguous_run": "buckets"}
 
 __all__ = ["WeightSyncError", "EngineTarget", "FLATTENED", "DEFAULT_GROUP", "InitGroupRequest",
            "UpdateBucketRequest", "DestroyGroupRequest", "engines_from_rollout", "free_port", *_LAZY]

@@ -5,7 +5,9 @@ Guarantees:
 - ``plan_buckets`` keeps the given order within a dtype, never mixes dtypes in a bucket, never
   exceeds ``bucket_bytes`` unless one tensor alone does, and refuses a name seen twice;
 - ``unflatten_bucket(flatten_bucket(b), names, shapes)`` gives views equal to ``b``'s tensors, in
-  ``names`` order, the layout SGLang's receiver allocates for ``load_format="flattened_bucket"``.
+  ``names`` order, the layout SGLang's receiver allocates for ``load_format="flattened_bucket"``;
+- ``contiguous_run(ts)`` is that flat tensor without a copy (a view of the tensors' own storage)
+  exactly when the tensors already lie back to back in one storage, in order; else None.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["dtype_name", "parse_dtype", "plan_buckets", "flatten_bucket", "unflatten_bucket"]
+__all__ = ["dtype_name", "parse_dtype", "plan_buckets", "flatten_bucket", "unflatten_bucket", "contiguous_run"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -74,6 +76,23 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.dev
     if out.dim() != 1 or out.dtype != parts[0].dtype or out.device != parts[0].device or out.numel() < n:
         raise ValueError("flatten_bucket: out must be a 1-D tensor of the bucket's dtype and device, large enough")
     return torch.cat(parts, out=out[:n])
+
+
+def contiguous_run(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The 1-D view covering ``tensors`` when they are non-empty, contiguous, of one dtype and device
+    and back to back in one storage in the given order: their flattened concatenation, with no copy
+    (writing into it writes into them). None otherwise."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage, end, total = first.untyped_storage().data_ptr(), first.data_ptr(), 0
+    for t in tensors:
+        if (t.numel() == 0 or not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
+                or t.data_ptr() != end or t.untyped_storage().data_ptr() != storage):
+            return None
+        end += t.numel() * t.element_size()
+        total += t.numel()
+    return first.detach().as_strided((total,), (1,), first.storage_offset())
 
 
 def unflatten_bucket(flat: torch.Tensor, names: Sequence[str],

@@ -9,11 +9,14 @@ size) joins at ``rank_offset = 1 + sum(world_size of engines before it)``, throu
 - the update runs inside ``/begin_weight_update`` ... ``/end_weight_update`` on every engine;
 - tensors go in buckets of one dtype and at most ``bucket_bytes`` each (a tensor larger than
   that gets a bucket of its own), in their given order within a dtype; one
-  ``/update_weights_from_distributed`` request per bucket. With ``load_format="flattened_bucket"``
-  (the default on NCCL) a bucket is broadcast as one flat tensor, the concatenation of the
-  flattened tensors in ``names`` order, exactly what SGLang's receiver allocates; with ``None``
-  (the default on gloo: on CPU the packing copy costs more than it saves, see
-  bench/weight_sync_bench.py) each tensor is broadcast in ``names`` order, SGLang's default mode;
+  ``/update_weights_from_distributed`` request per bucket, naming the bucket's own load format.
+  ``"flattened_bucket"``: a bucket is broadcast as one flat tensor, the concatenation of the
+  flattened tensors in ``names`` order, exactly what SGLang's receiver allocates; ``None``: each
+  tensor is broadcast in ``names`` order, SGLang's default mode. ``"auto"`` (the default) sends a
+  bucket whose tensors already lie back to back in one storage (the trainer's parameters at TP 1,
+  ``buckets.contiguous_run``) flat straight from that storage, with no copy; any other bucket flat
+  through a pack copy on NCCL, per tensor on gloo (on CPU the pack copy costs more than it saves,
+  see bench/weight_sync_bench.py);
 - for each bucket the metadata is posted to every engine concurrently while rank 0 broadcasts
   (``fanout``), so neither side waits on the other; packing the next bucket overlaps the current
   broadcast;
@@ -44,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from headrace.shared.procs import free_port
-from headrace.shared.weight_sync.buckets import dtype_name, flatten_bucket, plan_buckets
+from headrace.shared.weight_sync.buckets import contiguous_run, dtype_name, flatten_bucket, plan_buckets
 from headrace.shared.weight_sync.fanout import Fanout, spawn
 from headrace.shared.weight_sync.group import destroy_update_group, join_update_group
 from headrace.shared.weight_sync.protocol import (FLATTENED, DestroyGroupRequest, EngineTarget, InitGroupRequest,
@@ -89,9 +92,7 @@ class WeightSender:
         if load_format not in ("auto", FLATTENED, None):
             raise ValueError(f"load_format must be 'auto', {FLATTENED!r} or None (one broadcast per tensor), "
                              f"got {load_format!r}")
-        if load_format == "auto":  # measured on CPU: packing costs a copy that per-tensor sends avoid
-            load_format = FLATTENED if backend == "nccl" else None
-        self.load_format = load_format
+        self.load_format = load_format   # "auto": chosen per bucket (``_pack``)
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.backend, self.base_group_name = backend, group_name
@@ -107,6 +108,7 @@ class WeightSender:
         self._pg: dist.ProcessGroup | None = None
         self._inflight: list[Any] = []  # the broadcasts of the current bucket (torch Work objects)
         self._pack_buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # freed after each update
+        self._zero_copy = 0   # buckets of the current update sent straight from their tensors' storage
         self._joined = False  # the engines are in group ``group_name``
         self._sessions_may_be_open = True  # a crashed predecessor or a failed update may have left one
         self._generation = 0
@@ -236,6 +238,7 @@ class WeightSender:
         version = str(weight_version)
         t0 = time.monotonic()
         plan = plan_buckets(named_tensors, self.bucket_bytes)
+        self._zero_copy = 0
         first = next(plan, None)  # before the session opens: an empty update changes nothing
         if first is None:
             raise ValueError("update() got no tensors")
@@ -263,8 +266,8 @@ class WeightSender:
         finally:
             self._pack_buffers.clear()
         dt = time.monotonic() - t0
-        self.last_stats = {"buckets": buckets, "bytes": nbytes, "seconds": dt,
-                           "gbytes_per_s": nbytes / dt / 1e9 if dt > 0 else 0.0}
+        self.last_stats = {"buckets": buckets, "zero_copy_buckets": self._zero_copy, "bytes": nbytes,
+                           "seconds": dt, "gbytes_per_s": nbytes / dt / 1e9 if dt > 0 else 0.0}
         log.info("weight version %s pushed: %d buckets, %.1f MB in %.2fs", version, buckets, nbytes / 1e6, dt)
 
     def _device(self) -> torch.device:
@@ -274,14 +277,14 @@ class WeightSender:
 
     def _send_buckets(self, items: Bucket, plan: Iterator[Bucket], version: str) -> tuple[int, int]:
         device = self._device()
-        current = (items, self._pack(items, device, 0))
+        current = (items, *self._pack(items, device, 0))
         count = nbytes = 0
         while True:
             next_items = next(plan, None)
             last = next_items is None
             futures = self._start_bucket(*current, version if last else None)
             # packing the next bucket (into the other buffer) overlaps this bucket's broadcast
-            following = None if last else (next_items, self._pack(next_items, device, (count + 1) % 2))
+            following = None if last else (next_items, *self._pack(next_items, device, (count + 1) % 2))
             self._fanout.wait(futures, f"bucket {count} ({len(current[0])} tensors)", works=self._inflight)
             count += 1
             nbytes += sum(t.numel() * t.element_size() for t in current[1])
@@ -289,29 +292,36 @@ class WeightSender:
                 return count, nbytes
             current = following
 
-    def _pack(self, items: Bucket, device: torch.device, slot: int) -> list[torch.Tensor]:
-        """The tensors to broadcast for a bucket: its tensors themselves (per-tensor mode, no copy
-        when contiguous on ``device``), or one flat tensor packed into one of two reusable buffers
-        per dtype (double buffering: one in flight, one being packed), so an update of many
-        buckets touches fresh memory only twice."""
-        if self.load_format is None:
-            return [t.detach().to(device).contiguous() for _, t in items]
+    def _pack(self, items: Bucket, device: torch.device, slot: int) -> tuple[list[torch.Tensor], str | None]:
+        """The tensors to broadcast for a bucket and the bucket's load format (module docstring).
+        Flat: the tensors' own storage when they are one run on ``device`` (no copy), else one flat
+        tensor packed into one of two reusable buffers per dtype (double buffering: one in flight,
+        one being packed), so an update of many buckets touches fresh memory only twice. Per
+        tensor: the tensors themselves (no copy when contiguous on ``device``)."""
+        if self.load_format is not None:
+            run = contiguous_run([t for _, t in items])
+            if run is not None and run.device == device:
+                self._zero_copy += 1
+                return [run], FLATTENED
+        if self.load_format is None or (self.load_format == "auto" and self.backend != "nccl"):
+            return [t.detach().to(device).contiguous() for _, t in items], None
         dtype = items[0][1].dtype
         need = sum(t.numel() for _, t in items)
         if len(items) == 1:
-            return [flatten_bucket(items, device)]
+            return [flatten_bucket(items, device)], FLATTENED
         buf = self._pack_buffers.get((slot, dtype))
         if buf is None or buf.numel() < need or buf.device != device:
             cap = max(need, self.bucket_bytes // max(1, items[0][1].element_size()))
             buf = self._pack_buffers[(slot, dtype)] = torch.empty(cap, dtype=dtype, device=device)
-        return [flatten_bucket(items, device, out=buf)]
+        return [flatten_bucket(items, device, out=buf)], FLATTENED
 
-    def _start_bucket(self, items: Bucket, payload: list[torch.Tensor], version: str | None) -> dict[str, Future]:
+    def _start_bucket(self, items: Bucket, payload: list[torch.Tensor], load_format: str | None,
+                      version: str | None) -> dict[str, Future]:
         fields: dict[str, Any] = {} if version is None else {"weight_version": version}
         body = wire(UpdateBucketRequest(
             names=[n for n, _ in items], dtypes=[dtype_name(t.dtype) for _, t in items],
             shapes=[list(t.shape) for _, t in items], group_name=self.group_name,
-            load_format=self.load_format, flush_cache=version is not None, **fields))
+            load_format=load_format, flush_cache=version is not None, **fields))
         futures = self._fanout.each("/update_weights_from_distributed", body)
         # kept on self, not in a local: a traceback must not keep the group's sockets alive
         self._inflight.extend(dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in payload)

@@ -19,8 +19,9 @@ import torch
 
 from headrace.rollout.engine.receiver import WeightReceiver
 from headrace.rollout.engine.weights import tensor_digest
-from headrace.shared.weight_sync import (EngineTarget, WeightSender, WeightSyncError, engines_from_rollout,
-                                flatten_bucket, join_update_group, plan_buckets, unflatten_bucket)
+from headrace.shared.weight_sync import (EngineTarget, WeightSender, WeightSyncError, contiguous_run,
+                                         engines_from_rollout, flatten_bucket, join_update_group, plan_buckets,
+                                         unflatten_bucket)
 from tests.procs import Proc, child_env, free_port
 
 
@@ -73,6 +74,22 @@ def test_plan_buckets_one_dtype_each_bounded_order_kept() -> None:
         list(plan_buckets(tensors + tensors[:1], 1 << 20))
 
 
+def test_contiguous_run_is_a_view_only_of_back_to_back_tensors() -> None:
+    flat = torch.arange(24, dtype=torch.float32)
+    a, b, c = flat[:6].view(2, 3), flat[6:10], flat[10:24].view(7, 2)
+    run = contiguous_run([a, b, c])
+    assert run is not None and run.data_ptr() == flat.data_ptr() and torch.equal(run, flat)
+    run[0] = -1.0                                  # a view: writing into it writes the tensors
+    assert a[0, 0].item() == -1.0
+    assert torch.equal(contiguous_run([b, c]), flat[6:])
+    assert contiguous_run([b, a]) is None          # out of order
+    assert contiguous_run([a, c]) is None          # a gap
+    assert contiguous_run([a, flat[6:10].clone()]) is None   # another storage
+    assert contiguous_run([flat.view(4, 6)[:, :3]]) is None  # not contiguous
+    assert contiguous_run([flat[:6], flat[6:12].to(torch.float64)]) is None
+    assert contiguous_run([flat[:0]]) is None and contiguous_run([]) is None
+
+
 def test_flatten_unflatten_round_trip() -> None:
     bucket = [(n, t) for n, t in model_tensors(1) if t.dtype == torch.float32]
     flat = flatten_bucket(bucket)
@@ -119,8 +136,39 @@ def test_update_reaches_every_engine_exactly(receivers: list[str], load_format: 
     with WeightSender([EngineTarget(u) for u in receivers], timeout_s=60, load_format=load_format) as again:
         again.update(model_tensors(12), weight_version=3)
     assert all(version(u) == "3" for u in receivers)
-    assert WeightSender([EngineTarget(receivers[0])]).load_format is None  # "auto" on gloo
-    assert WeightSender([EngineTarget(receivers[0])], backend="nccl").load_format == "flattened_bucket"
+    assert WeightSender([EngineTarget(receivers[0])]).load_format == "auto"   # chosen per bucket
+
+
+def _back_to_back(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same values as views of one buffer per dtype, in order (as the trainer holds its
+    parameters at TP 1)."""
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        group = [(n, t) for n, t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.reshape(-1) for _, t in group])
+        offset = 0
+        for n, t in group:
+            out.append((n, flat[offset:offset + t.numel()].view(t.shape)))
+            offset += t.numel()
+    return out
+
+
+def test_auto_sends_back_to_back_buckets_flat_from_their_storage(receivers: list[str]) -> None:
+    """load_format "auto" on gloo: a bucket whose tensors are one run of one storage is broadcast
+    flat from that storage (no pack copy); separately allocated tensors go one broadcast each. Both
+    arrive exactly."""
+    with WeightSender([EngineTarget(u) for u in receivers], bucket_bytes=64 << 10, timeout_s=60) as sender:
+        tensors = _back_to_back(model_tensors(20))
+        sender.update(tensors, weight_version=1)
+        assert sender.last_stats["zero_copy_buckets"] == sender.last_stats["buckets"] >= 3
+        for url in receivers:
+            assert digests(url) == {n: tensor_digest(t) for n, t in tensors} and version(url) == "1"
+        separate = model_tensors(21)
+        sender.update(separate, weight_version=2)
+        multi = sum(len(b) > 1 for b in plan_buckets(separate, 64 << 10))
+        assert sender.last_stats["zero_copy_buckets"] == sender.last_stats["buckets"] - multi and multi >= 2
+        for url in receivers:
+            assert digests(url) == {n: tensor_digest(t) for n, t in separate} and version(url) == "2"
 
 
 def test_per_tensor_mode_into_an_in_place_receiver(receivers: list[str], tmp_path: Path) -> None:

@@ -109,13 +109,14 @@ def _trainer_push(model_dir: str, urls: list[str], version: int, load_format: st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,load_format", [(2, "auto"), (1, "flattened_bucket")])
+@pytest.mark.parametrize("tp,load_format", [(2, "auto"), (1, "auto")])
 def test_trainer_update_makes_engines_compute_the_trainer_model(engines: list[str], models: tuple[Path, Path],
                                                                 tp: int, load_format: str) -> None:
     """TP 2 with gloo's default (one broadcast per tensor), and TP 1 pushing views of the live
-    parameters as flat buckets, which the reference engine receives straight into its weights: its
-    layout is the trainer's order, so every bucket is one contiguous range of them (checked here on
-    the order the trainer sent)."""
+    parameters: they lie back to back (``lay_out_flat``), so with the default load format every
+    bucket goes flat straight from the parameters, no pack copy, and the reference engine receives
+    it straight into its weights: its layout is the trainer's order, so every bucket is one
+    contiguous range of them (checked here on the order the trainer sent)."""
     import torch
 
     from headrace.rollout.engine.model import DecoderModel
@@ -135,6 +136,7 @@ def test_trainer_update_makes_engines_compute_the_trainer_model(engines: list[st
                                               engine_model.param_view)
             assert got is not None, [n for n, _ in b]
             assert got[0].numel() == sum(t.numel() for _, t in b)
+        assert result["stats"]["zero_copy_buckets"] == result["stats"]["buckets"]
     assert result["stats"]["buckets"] > 1
     for url, out, trainer_lp in zip(engines, result["outs"], result["trainer"]):
         assert out["meta_info"]["weight_version"] == str(5 + tp) and model_version(url) == str(5 + tp)

@@ -314,3 +314,51 @@ def test_spawn_reports_the_failing_rank() -> None:
         spawn(rank_fails_on_one, 2, 1, "raise", timeout_s=120)
     with pytest.raises(RuntimeError, match="rank 0 of 2 exited with code 3 without a result"):
         spawn(rank_fails_on_one, 2, 0, "exit", timeout_s=120)
+
+
+def rank_flat_layout(model_dir: str) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    from headrace.shared.weight_sync import contiguous_run
+    from headrace.trainer.model import load_model
+    from headrace.trainer.model.loading import param_specs
+    from headrace.trainer.parallel import destroy_distributed, init_distributed
+
+    info = init_distributed(1)
+    try:
+        model = load_model(model_dir, info)
+        params = dict(model.named_parameters())
+        in_order = [params[n] for n in param_specs(model)]
+        exported = list(model.hf_state_dict(copy=False))
+        disk = load_file(str(Path(model_dir) / "model.safetensors"))
+        same_values = all(torch.equal(t, disk[n]) for n, t in exported)
+        whole = contiguous_run([t for _, t in exported])
+        ptrs = [p.data_ptr() for p in in_order]
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.tensor([1, 5, 9, 3])
+        lp, _ = model.token_logprobs(ids, torch.arange(4), torch.tensor([0, 4]), torch.tensor([5, 9, 3, 0]))
+        lp.sum().backward()
+        opt.step()
+        after = dict(model.hf_state_dict(copy=False))
+        return {"params_run": contiguous_run([p.detach() for p in in_order]) is not None,
+                "export_run": whole is not None and whole.numel() == sum(t.numel() for _, t in exported),
+                "same_values": same_values, "storage_kept": ptrs == [p.data_ptr() for p in in_order],
+                "step_changed_export": any(not torch.equal(after[n], disk[n]) for n in disk if n in after),
+                "export_still_run": contiguous_run(list(after.values())) is not None}
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "odd-llama"])
+def test_tp1_parameters_lie_back_to_back_in_export_order(preset: str, tmp_path: Path) -> None:
+    """At TP 1 ``load_model`` lays the parameters out in one buffer in export order: the exported
+    tensors (views, ``copy=False``) are one run of it with the file's values, and an optimizer step
+    updates them in place (the layout survives training; weight sync then sends whole buckets
+    straight from the parameters)."""
+    from headrace.trainer.launch import spawn
+
+    d = preset_model("tiny-qwen2", tmp_path / "m", seed=3) if preset == "tiny-qwen2" else odd_llama(tmp_path / "m", seed=3)
+    got = spawn(rank_flat_layout, 1, str(d), timeout_s=300)[0]
+    assert got == {"params_run": True, "export_run": True, "same_values": True, "storage_kept": True,
+                   "step_changed_export": True, "export_still_run": True}

@@ -29,20 +29,25 @@ __all__ = ["load_model", "TPDecoder", "vocab_parallel_logprobs"]
 def load_model(model_dir: "str | Path", info: "ParallelInfo", dtype: "torch.dtype | None" = None) -> "TPDecoder":
     """Build the decoder of ``model_dir`` (config.json + safetensors) sharded for ``info``.
 
-    ``dtype`` defaults to float32. Raises FileNotFoundError / ValueError / KeyError naming the
-    missing file, the unsupported setting or the missing / misshapen tensor.
+    ``dtype`` defaults to float32. At TP 1 the parameters live in one flat buffer in export order
+    (``loading.lay_out_flat``: weight sync sends them without a pack copy). Raises
+    FileNotFoundError / ValueError / KeyError naming the missing file, the unsupported setting or
+    the missing / misshapen tensor.
     """
     import torch
 
     from headrace.shared.hf_arch import ArchConfig
     from headrace.trainer.model.decoder import TPDecoder
-    from headrace.trainer.model.loading import load_shards
+    from headrace.trainer.model.loading import lay_out_flat, load_shards
 
     arch = ArchConfig.from_model_dir(model_dir)
     model = TPDecoder(arch, info, dtype or torch.float32)
     load_shards(model, model_dir)
     mark_tp_params(model)
-    return model.to(info.device)
+    model = model.to(info.device)
+    if info.tp == 1:   # only at TP 1 are the exported tensors views of the parameters
+        lay_out_flat(model)
+    return model
 
 
 def mark_tp_params(model: "TPDecoder") -> None:

@@ -80,6 +80,29 @@ def param_specs(model: nn.Module) -> dict[str, Spec]:
     return specs
 
 
+def lay_out_flat(model: nn.Module) -> None:
+    """Move the parameters ``param_specs`` names into one flat buffer per dtype and device, in
+    ``param_specs`` order (the order ``gather_hf_tensors`` exports). Values and ``Parameter``
+    objects are unchanged, only their storage moves. At TP 1 the exported tensors are then views
+    lying back to back, so weight sync broadcasts whole buckets straight from the parameters, with
+    no pack copy (``shared.weight_sync.buckets.contiguous_run``). Peak memory while it runs: twice
+    the parameters'."""
+    params = dict(model.named_parameters())
+    groups: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for name in param_specs(model):
+        p = params[name]
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    with torch.no_grad():
+        for (dtype, device), ps in groups.items():
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            offset = 0
+            for p in ps:
+                view = flat[offset:offset + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+                offset += p.numel()
+
+
 def full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """The HF shape each HF tensor must have for ``model.arch``."""
     a = model.arch
