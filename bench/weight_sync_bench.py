@@ -17,6 +17,12 @@ similar load); best-of-repeats is printed too.
     python bench/weight_sync_bench.py --load-format flattened_bucket --buckets-mb 16,64,256
 
 Prints one line per bucket size with seconds, GB/s and the ratio ours/raw bandwidth (target >= 0.8).
+
+``--layout flat`` (the default) sends the tensors as the trainer holds them at TP 1: views lying
+back to back in one buffer, in export order (``trainer.model.loading.lay_out_flat``), so each
+bucket goes flat from that memory with no pack copy. Measured 2 Dec at load 1-2.5, 256 MB buckets,
+paired medians of 5-7 repeats: flat 0.94, 0.93, 0.85, 0.82, 0.79; ``--layout separate`` (one
+allocation per tensor: per-tensor broadcasts) 0.68, 0.65, 0.60.
 """
 
 from __future__ import annotations
