@@ -44,6 +44,10 @@ answer) went from 25% to 11% (template render and tokenization 18% -> 2%); what 
 mostly the ``openai`` SDK itself: transforming the params, building the request (headers, URL
 parsing, httpx2), parsing the answer (~37%), then the engine call, episode samples and the rollout
 loop. ``--py-spy PREFIX`` records both services.
+2 Dec later, quiet: 1.161, 1.131, 1.177 (12 rounds), 1.149 (50 rounds); every round reached the
+engine as one request of 32 sequences on both paths (``sequences_per_engine_request``), so a
+call's time is about the engine's batch time plus ~16 calls' service CPU; in a 50-round py-spy
+profile the SDK is ~54% of the gateway service's busy samples and the gateway's route ~11%.
 ``--external`` (two runs, load 10-13, before these changes): 3.5x and 5.0x; each external episode
 also pays its open and finish requests, a TCP connection and the server's HTTP handling, and the
 bench process competes for the same 2 cores.
