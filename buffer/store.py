@@ -20,6 +20,9 @@ Guarantees (file-backed store):
   and its *held* mark survive a restart, so an ack within the deadline succeeds after one. A
   lease whose deadline passed (while the buffer ran or while it was down) expires and its groups
   are queued again, ahead of later arrivals (FIFO by first arrival).
+- The queue never holds a stale group: groups that come back to it (a lease released, expired
+  or partly rejected) are evicted as stale there and then when the recorded policy version has
+  moved past them, as ``set_policy_version`` evicts queued ones.
 - ``extend`` moves a deadline; ``trained=True`` marks the lease held: its groups stay in
   ``leased`` and are also counted in ``held``, and the capacity rule counts queued + leased - held.
 - ``reject`` moves some groups of a lease to the dead-letter table (durable, with reason and time;
@@ -294,7 +297,9 @@ class Store:
                 cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
                                       (GroupState.queued, lease_id, GroupState.leased))
                 dst = GroupState.queued
+            stale = self._evict_stale() if dst == GroupState.queued else 0
         self._move(GroupState.leased, dst, cur.rowcount)
+        self._move(GroupState.queued, GroupState.evicted, stale)
         self.active.pop(lease_id, None)
         self.held.pop(lease_id, None)
         return cur.rowcount
@@ -361,8 +366,10 @@ class Store:
                                 [(GroupState.dead_lettered, mine[g]) for g in wanted])
             cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
                                   (GroupState.queued, lease_id, GroupState.leased))
+            stale = self._evict_stale()
         self._move(GroupState.leased, GroupState.dead_lettered, len(wanted))
         self._move(GroupState.leased, GroupState.queued, cur.rowcount)
+        self._move(GroupState.queued, GroupState.evicted, stale)
         self.active.pop(lease_id, None)
         self.held.pop(lease_id, None)
         return len(wanted), cur.rowcount
@@ -390,24 +397,35 @@ class Store:
                 cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
                                       (GroupState.queued, lid, GroupState.leased))
                 returned += cur.rowcount
+            stale = self._evict_stale()
         for lid in due:
             del self.active[lid]
             self.held.pop(lid, None)
         self._move(GroupState.leased, GroupState.queued, returned)
+        self._move(GroupState.queued, GroupState.evicted, stale)
         return returned
 
     def set_policy_version(self, version: int) -> int:
         """Record the trainer's version and evict queued groups now stale; the number evicted."""
         with self._txn():
             self.counters["policy_version"] = version
-            cutoff = stale_cutoff(version, self.max_staleness)
-            self.db.execute("INSERT OR IGNORE INTO purge(seq) SELECT seq FROM groups WHERE state=? AND weight_version<?",
-                            (GroupState.queued, cutoff))
-            cur = self.db.execute("UPDATE groups SET state=? WHERE state=? AND weight_version<?",
-                                  (GroupState.evicted, GroupState.queued, cutoff))
+            stale = self._evict_stale()
             self._save_counters()
+        self._move(GroupState.queued, GroupState.evicted, stale)
+        return stale
+
+    def _evict_stale(self) -> int:
+        """Inside a transaction: mark every queued group stale for the recorded policy version
+        evicted (its blob to be purged); the number marked. Called wherever groups join the queue
+        again (a lease released, expired or partly rejected) as well as when the version moves, so
+        the queue never holds a group the trainer's lease floor would skip: such groups counted as
+        backlog and could stop admission for good."""
+        cutoff = stale_cutoff(self.counters["policy_version"], self.max_staleness)
+        self.db.execute("INSERT OR IGNORE INTO purge(seq) SELECT seq FROM groups WHERE state=? AND weight_version<?",
+                        (GroupState.queued, cutoff))
+        cur = self.db.execute("UPDATE groups SET state=? WHERE state=? AND weight_version<?",
+                              (GroupState.evicted, GroupState.queued, cutoff))
         self.to_purge = self.to_purge or cur.rowcount > 0
-        self._move(GroupState.queued, GroupState.evicted, cur.rowcount)
         return cur.rowcount
 
     def purge(self, limit: int = 256) -> int:

@@ -12,10 +12,17 @@ returned views are valid until the next receive) or, per tensor, straight into t
 weights when a ``dest`` lookup is given (per tensor, or a whole flattened bucket when the engine's
 tensors for it are one contiguous range). Every call blocks; HTTP handlers run them in a worker
 thread.
+
+A receive can be given up: gloo does not always notice that rank 0 died in the middle of a
+broadcast (measured: 3 of 8 SIGKILLs of a sender looping over 4 MB broadcasts left the receiver
+blocked until the group timeout), so with ``cancelled`` a gloo receive waits in slices of
+``WAIT_SLICE_S`` and raises ``ReceiveCancelled`` once ``cancelled()`` is true. The group must then
+be destroyed (its pending receive is abandoned with it); a new group works normally.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Sequence
 
 import torch
@@ -25,7 +32,13 @@ from headrace.shared.weight_sync.buckets import contiguous_run, parse_dtype, unf
 from headrace.shared.weight_sync.group import destroy_update_group, join_update_group
 from headrace.shared.weight_sync.protocol import FLATTENED
 
-__all__ = ["WeightReceiver"]
+__all__ = ["WeightReceiver", "ReceiveCancelled", "WAIT_SLICE_S"]
+
+WAIT_SLICE_S = 0.5   # how often a gloo receive checks whether it was given up
+
+
+class ReceiveCancelled(RuntimeError):
+    """A receive given up (``cancelled()`` became true) before rank 0's data arrived."""
 
 
 class WeightReceiver:
@@ -55,7 +68,8 @@ class WeightReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
                 load_format: str | None = None,
-                dest: Callable[[str], torch.Tensor | None] | None = None) -> list[tuple[str, torch.Tensor]]:
+                dest: Callable[[str], torch.Tensor | None] | None = None,
+                cancelled: Callable[[], bool] | None = None) -> list[tuple[str, torch.Tensor]]:
         """Receive the tensors rank 0 broadcasts for this request, in ``names`` order. They come
         back as views of a receive buffer (one per dtype) that the next call reuses: copy them (as
         ``load_weights`` does) before receiving again.
@@ -66,7 +80,9 @@ class WeightReceiver:
         order, the whole bucket is received straight into that range. Either way there is no load
         copy: the returned pair holds that very tensor, so a loader can skip it by ``data_ptr``.
         Only inside an update session: a failed receive then leaves those weights partially
-        written, like any failed update."""
+        written, like any failed update.
+
+        ``cancelled``: polled while a gloo receive waits (module docstring); ``ReceiveCancelled``."""
         if self._pg is None:
             raise RuntimeError("not in a weight-update group: call init_group first")
         if not (len(names) == len(dtypes) == len(shapes)):
@@ -83,10 +99,10 @@ class WeightReceiver:
             total = sum(_numel(s) for s in shapes)
             region = self._own_range(names, torch_dtypes[0], shapes, dest) if dest is not None else None
             if region is not None:
-                dist.broadcast(region[0], src=0, group=self._pg)
+                self._wait([dist.broadcast(region[0], src=0, group=self._pg, async_op=True)], cancelled)
                 return region[1]
             flat = self._buffer(torch_dtypes[0], total)
-            dist.broadcast(flat, src=0, group=self._pg)
+            self._wait([dist.broadcast(flat, src=0, group=self._pg, async_op=True)], cancelled)
             return unflatten_bucket(flat, names, shapes)
         if load_format not in (None, "auto"):
             raise ValueError(f"unsupported load_format {load_format!r} (None or {FLATTENED!r})")
@@ -105,10 +121,27 @@ class WeightReceiver:
                 continue
             out.append((name, flats[d][offsets[d]:offsets[d] + n].view(*shape)))
             offsets[d] += n
-        works = [dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in out]
-        for w in works:
-            w.wait()
+        self._wait([dist.broadcast(t, src=0, group=self._pg, async_op=True) for _, t in out], cancelled)
         return out
+
+    def _wait(self, works: list[dist.Work], cancelled: Callable[[], bool] | None) -> None:
+        """Wait for every broadcast; on gloo with ``cancelled``, in slices, giving up when it is true.
+        (NCCL work is waited plainly: its hangs are the communicator's watchdog's to end.)"""
+        sliced = cancelled is not None and dist.get_backend(self._pg) == "gloo"
+        for w in works:
+            if not sliced:
+                w.wait()
+                continue
+            while True:
+                try:
+                    w.wait(timeout=datetime.timedelta(seconds=WAIT_SLICE_S))
+                    break
+                except RuntimeError as e:
+                    if "timed out" not in str(e):
+                        raise
+                    if cancelled():
+                        raise ReceiveCancelled(f"receive from group {self.group_name!r} given up: rank 0 did "
+                                               "not send (a sender that died or left the group)") from None
 
     def _own_range(self, names: Sequence[str], dtype: torch.dtype, shapes: Sequence[Sequence[int]],
                    dest: Callable[[str], torch.Tensor | None]) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]] | None:

@@ -17,10 +17,13 @@ Two parts of state, both guarded by one lock:
 
   Anything else is refused with a message saying what to call instead: a bucket outside a session,
   during another bucket, after a failed bucket, or for another group; begin inside a session; end
-  without one or during a bucket; destroy of a group that is not there, or while one of its
-  buckets is being received (after waiting ``destroy_wait_s`` for it to end: it ends once rank 0
-  leaves the group, or at the group timeout). Destroying the group inside a session is allowed
-  (a sender that failed tears down its group and reconnects; SGLang allows it too).
+  without one or during a bucket; destroy of a group that is not there. Destroying the group
+  inside a session is allowed (a sender that failed tears down its group and reconnects; SGLang
+  allows it too). A destroy during a bucket gives that bucket's receive up first (only rank 0,
+  the sender, destroys: the data it would wait for will not come; gloo does not always notice a
+  sender killed in mid-broadcast, ``rollout.engine.receiver``), the bucket fails (the weights are
+  partial), then the group goes; a receive that does not end within ``destroy_wait_s`` (a
+  receiver that cannot be given up) still refuses the destroy.
 
 Guarantees: the target generates nothing while a session is open (``target.set_updating``); the
 target's weight version changes only with a bucket that carries one and loaded completely (the
@@ -86,6 +89,7 @@ class UpdateSession:
         self.joining: str | None = None     # the name of a group being joined
         self.broken: str | None = None      # why the weights are partial, after a failed bucket
         self._cond = threading.Condition()
+        self._give_up = threading.Event()   # set by a destroy: the running receive ends
 
     # -- the group --
 
@@ -110,6 +114,8 @@ class UpdateSession:
         with self._cond:
             if self.group is None or req.group_name != self.group:
                 raise SessionError(f"no weight update group named {req.group_name!r}")
+            if self.state is State.RECEIVING:
+                self._give_up.set()
             if not self._cond.wait_for(lambda: self.state is not State.RECEIVING, self.destroy_wait_s):
                 raise SessionError(f"a bucket from group {self.group!r} is being received; destroy the group "
                                    "after its answer (the receive ends once rank 0 leaves the group, or at "
@@ -145,6 +151,7 @@ class UpdateSession:
                 raise SessionError(f"no weight update group named {req.group_name!r}: call "
                                    "/init_weights_update_group first")
             self.state = State.RECEIVING
+            self._give_up.clear()
         error = "interrupted"
         try:
             if req.abort_all_requests:
@@ -152,7 +159,7 @@ class UpdateSession:
             # per-tensor broadcasts may land straight in the model's parameters: no decoding runs
             # inside a session, and a failed update leaves the weights marked partial anyway
             named = self.receiver.receive(req.names, req.dtypes, req.shapes, req.load_format,
-                                          dest=self.target.param_view)
+                                          dest=self.target.param_view, cancelled=self._give_up.is_set)
             self.target.load(named, req.weight_version)
             error = ""
         except Exception as e:  # noqa: BLE001 - the update failed: answered, and the weights are partial

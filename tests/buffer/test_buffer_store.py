@@ -89,6 +89,36 @@ def test_min_weight_version_staleness_and_capacity() -> None:
     assert is_stale(0, 3, 2) and not is_stale(1, 3, 2)
 
 
+def test_groups_back_from_a_lease_are_evicted_when_the_version_moved_past_them(tmp_path: Path) -> None:
+    """The fault test's stall: a killed trainer's leases lapse after the resumed trainer moved the
+    version on. Their groups must not sit queued under the lease floor, counted as backlog that
+    blocks admission while no lease can take them: expiry, release and a reject's requeue evict them."""
+    path = str(tmp_path / "s.sqlite")
+    s = Store(path, capacity=100, max_staleness=1)
+    s.post([row("old1", 1), row("old2", 1), row("old3", 1), row("old4", 1), row("r1", 1), row("r2", 1), row("new", 5)])
+    lapsing = s.lease(2, 5.0, None, now=100.0)
+    released = s.lease(2, 60.0, None, now=100.0)
+    rejected = s.lease(2, 60.0, None, now=100.0)
+    assert lapsing and released and rejected
+    assert s.set_policy_version(5) == 0  # 1 < 5 - 1, but leased groups are left to their lease
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["evicted_stale"]) == (1, 6, 0)
+    assert s.expire(now=106.0) == 2  # back from the lapsed lease ...
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["evicted_stale"]) == (1, 4, 2)  # ... and evicted there and then
+    assert s.release(released.lease_id, now=107.0) == 2
+    assert s.reject(rejected.lease_id, ["r1"], "bad", now=107.0) == (1, 1)
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["evicted_stale"], st["dead_lettered"]) == (1, 0, 5, 1)
+    got = s.lease(1, 60.0, 4, now=108.0)  # the trainer's floor at version 5 finds the only queued group
+    assert got is not None and msgpack.unpackb(got.blobs[0])["group_id"] == "new"
+    s.db.close()
+    s = Store(path, capacity=100, max_staleness=1)  # the evictions were committed with the moves
+    st = s.stats()
+    assert (st["queued"], st["leased"], st["evicted_stale"], st["dead_lettered"]) == (0, 1, 5, 1)
+    assert s.to_purge and s.purge(100) == 5
+
+
 def test_ingest_msgpack_blobs_are_the_client_bytes_and_json_is_packed() -> None:
     groups = [make_group("i0"), make_group("i1", n=3)]
     body = msgpack.packb({"groups": groups})

@@ -5,37 +5,47 @@ and the HTTP endpoints validate bodies with the sender's own models. The receive
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
+import time
 from typing import Any
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from headrace.rollout.engine.receiver import ReceiveCancelled, WeightReceiver
 from headrace.rollout.engine.session import SessionError, State, UpdateSession
 from headrace.rollout.engine.weights import DictTarget, make_receiver_app
 from headrace.shared.weight_sync.protocol import (DestroyGroupRequest, InitGroupRequest, UpdateBucketRequest, parse,
                                                   wire)
+from tests.procs import free_port
 
 GROUP = "g"
 
 
 class FakeReceiver:
-    """Joins nothing; ``receive`` returns ones of the announced shapes, optionally after ``gate``."""
+    """Joins nothing; ``receive`` returns ones of the announced shapes, optionally after ``gate``;
+    with ``honours_cancel`` it gives the wait up when the session cancels it (as the real one does)."""
 
     def __init__(self) -> None:
         self.group_name: str | None = None
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
+        self.honours_cancel = False
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
         self.group_name = group_name
 
-    def receive(self, names: Any, dtypes: Any, shapes: Any, load_format: Any = None, dest: Any = None) -> list:
+    def receive(self, names: Any, dtypes: Any, shapes: Any, load_format: Any = None, dest: Any = None,
+                cancelled: Any = None) -> list:
         self.entered.set()
         if self.gate is not None:
-            self.gate.wait(30)
+            deadline = time.monotonic() + 30
+            while not self.gate.wait(0.01) and time.monotonic() < deadline:
+                if self.honours_cancel and cancelled():
+                    raise ReceiveCancelled("given up")
         return [(n, torch.ones(s)) for n, s in zip(names, shapes)]
 
     def destroy(self) -> None:
@@ -149,6 +159,104 @@ def test_destroy_end_or_bucket_during_a_bucket_are_refused(session: UpdateSessio
     session.end()
     assert session.target.weight_version == "2"
     session.destroy_group(DestroyGroupRequest(group_name=GROUP))
+
+
+def test_a_destroy_during_a_bucket_gives_its_receive_up(session: UpdateSession) -> None:
+    """A new trainer (rank 0) destroys the group a killed one left mid-bucket: the receive is given
+    up, the bucket fails (weights partial), the group goes and a new one can be joined."""
+    receiver = session.receiver
+    receiver.gate, receiver.honours_cancel = threading.Event(), True
+    session.destroy_wait_s = 10.0
+    session.begin()
+    errors: list[str] = []
+
+    def run() -> None:
+        try:
+            session.bucket(bucket("2"))
+        except SessionError as e:
+            errors.append(str(e))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert receiver.entered.wait(30)
+    assert "Succeeded to destroy" in session.destroy_group(DestroyGroupRequest(group_name=GROUP))
+    worker.join(30)
+    assert errors and "ReceiveCancelled: given up" in errors[0] and "partially" in errors[0]
+    assert session.group is None and session.state is State.FAILED and session.broken
+    with pytest.raises(SessionError, match="the session had a failed update"):
+        session.end()
+    session.init_group(init("again"))
+    assert session.group == "again" and session.target.weight_version == "default"
+
+
+def _rank0(port: int, group: str, send: bool) -> None:
+    """The trainer's side of a group: join, then broadcast ones (send) or stay silent; then wait to
+    be killed (no shared event: a killed waiter would block its ``set``)."""
+    import torch.distributed as dist
+
+    from headrace.shared.weight_sync.group import join_update_group
+
+    pg = join_update_group("127.0.0.1", port, 0, 2, group, "gloo", 60)
+    if send:
+        dist.broadcast(torch.ones(1000), src=0, group=pg)
+    time.sleep(120)
+
+
+def test_a_real_gloo_receive_is_given_up_by_a_destroy_and_a_new_group_works() -> None:
+    """Real gloo (two processes). The case: a trainer killed in mid-broadcast that gloo did not
+    notice (the engine then waited for the group timeout, 600 s). Here rank 0 joins and stays
+    silent, then is killed; the destroy gives the receive up within a wait slice (before the kill,
+    so it is the give-up, not gloo, that ends it), the group goes once rank 0 is gone, and a new
+    group delivers a whole update."""
+    ctx = mp.get_context("spawn")
+    target = RecordingTarget()
+    target.tensors["w"] = torch.zeros(1000)
+    session = UpdateSession(target, receiver=WeightReceiver(), timeout_s=60, destroy_wait_s=10.0)
+    silent = ctx.Process(target=_rank0, args=(port := free_port(), "silent", False))
+    silent.start()
+    live = None
+    try:
+        session.init_group(InitGroupRequest(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                            world_size=2, group_name="silent", backend="gloo"))
+        session.begin()
+        errors: list[str] = []
+        worker = threading.Thread(target=lambda: errors.append(_fails(session, bucket("4", [1000], "silent"))))
+        worker.start()
+        time.sleep(1.0)    # the receive is waiting for rank 0's data, which never comes
+        assert session.state is State.RECEIVING and not errors
+        destroyed: list[str] = []
+        destroyer = threading.Thread(target=lambda: destroyed.append(
+            session.destroy_group(DestroyGroupRequest(group_name="silent"))))
+        destroyer.start()
+        worker.join(10)    # given up within a wait slice, rank 0 still alive
+        assert errors and "ReceiveCancelled" in errors[0] and "partially updated" in errors[0], errors
+        silent.kill()      # a live silent peer holds the group's shutdown; a dead one does not
+        destroyer.join(30)
+        assert destroyed and "Succeeded to destroy" in destroyed[0] and session.group is None
+        with pytest.raises(SessionError, match="failed update"):
+            session.end()
+        live = ctx.Process(target=_rank0, args=(port := free_port(), "live", True))
+        live.start()
+        session.init_group(InitGroupRequest(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                            world_size=2, group_name="live", backend="gloo"))
+        session.begin()
+        session.bucket(bucket("5", shape=[1000], group="live"))
+        session.end()
+        assert target.weight_version == "5" and torch.equal(target.tensors["w"], torch.ones(1000))
+        assert session.broken is None
+    finally:
+        for p in (silent, live):
+            if p is not None:
+                p.kill()
+                p.join(30)
+
+
+def _fails(session: UpdateSession, req: UpdateBucketRequest) -> str:
+    try:
+        session.bucket(req)
+    except SessionError as e:
+        return str(e)
+    return "no error"
 
 
 def test_a_failed_bucket_marks_the_weights_partial_until_a_clean_session(session: UpdateSession) -> None:
