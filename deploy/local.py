@@ -1,8 +1,8 @@
 """``headrace run``: every service on one machine, as child processes, one Ctrl-C stops all.
 
 The run reads as the loop it supervises: resolve config -> prepare the model -> start buffer,
-rollout (which starts the engines) and trainer -> follow metrics.jsonl with a progress bar ->
-stop everything -> plot. The trainer drives the RL loop itself; this module only supervises.
+rollout (which starts the engines) and trainer together (the trainer waits for the other two once
+its model is built) -> follow metrics.jsonl with a progress bar -> stop everything -> plot. The trainer drives the RL loop itself; this module only supervises.
 
 What a run writes to ``<out>`` (``--out``, else ``run.out``): ``config.yaml`` (the resolved config,
 absolute paths and the ports actually used), ``metrics.jsonl`` (one JSON object per step: step,
@@ -282,13 +282,16 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     code = 0
     with Supervisor(out_dir / "logs", env=token_env(cfg.auth.token)) as sup:
         try:
+            # every service starts at once: the rollout needs the buffer only to push groups
+            # (retried while it is down) and the trainer waits for both once its model is built
+            # (trainer.loop.wait_for_services), so their starts overlap
             buffer = sup.start("buffer", buffer_argv(config_file))
-            sup.wait_healthy(buffer, f"{cfg.buffer.url}/health", 60)
             rollout = sup.start("rollout", headrace_argv("rollout", "serve", "--config", str(config_file)))
-            sup.wait_healthy(rollout, f"{cfg.rollout.url}/health", cfg.rollout.engines.startup_timeout_s + 60)
             trainer = sup.start("trainer", headrace_argv("train", "--config", str(config_file),
                                                          "--rollout-url", cfg.rollout.url),
                                 threads=cfg.trainer.threads or 1, stop_first=True)
+            sup.wait_healthy(buffer, f"{cfg.buffer.url}/health", 60)
+            sup.wait_healthy(rollout, f"{cfg.rollout.url}/health", cfg.rollout.engines.startup_timeout_s + 60)
             with _Progress(cfg.trainer.steps, done, read_metrics(metrics_path)) as bar:
                 while trainer.alive():
                     sup.check()

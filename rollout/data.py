@@ -24,8 +24,10 @@ Guarantees:
 from __future__ import annotations
 
 import json
+import operator
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,20 +100,49 @@ def _render(cfg: DataConfig, rec: dict[str, Any], where: str) -> tuple[Any, Any,
     return prompt, label, dict(meta or {})
 
 
-def _task_items(cfg: DataConfig, seed: int, size: int) -> list[tuple[Any, Any, dict[str, Any]]]:
-    import reasoning_gym
+class TaskItems(Sequence):
+    """A reasoning-gym task's (prompt, label, metadata) triples, made when first read: entry ``i``
+    is a pure function of (seed, i) in reasoning-gym, so the order of reading does not matter and
+    a 100,000-prompt pool costs nothing until drawn (made eagerly it took ~5 s of every rollout
+    service's start). Entry 0 is made at once, so a task that cannot render fails at startup."""
 
-    try:
-        ds = reasoning_gym.create_dataset(cfg.task, seed=seed, size=size, **cfg.task_config)
-    except Exception as e:  # unknown task or bad option: name it
-        raise DataError(f"data.task {cfg.task!r} with task_config {cfg.task_config}: {type(e).__name__}: {e}") from None
-    out = []
-    for i in range(size):
-        entry = ds[i]
-        prompt = cfg.prompt_template.format(prompt=entry["question"])
-        label = {"task": cfg.task, "answer": entry["answer"], "metadata": _jsonable(entry.get("metadata", {}))}
-        out.append((prompt, label, {}))
-    return out
+    def __init__(self, cfg: DataConfig, seed: int, size: int) -> None:
+        import reasoning_gym
+
+        self.cfg, self.size = cfg, size
+        try:
+            self._ds = reasoning_gym.create_dataset(cfg.task, seed=seed, size=size, **cfg.task_config)
+            if size:
+                self._item(0)
+        except Exception as e:  # unknown task or bad option: name it
+            raise DataError(f"data.task {cfg.task!r} with task_config {cfg.task_config}: {type(e).__name__}: {e}") from None
+        self._made: dict[int, tuple[Any, Any, dict[str, Any]]] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _item(self, i: int) -> tuple[Any, Any, dict[str, Any]]:
+        entry = self._ds[i]
+        prompt = self.cfg.prompt_template.format(prompt=entry["question"])
+        label = {"task": self.cfg.task, "answer": entry["answer"], "metadata": _jsonable(entry.get("metadata", {}))}
+        return prompt, label, {}
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.size))]
+        i = operator.index(i)
+        if i < 0:
+            i += self.size
+        if not 0 <= i < self.size:
+            raise IndexError(f"task item {i} of {self.size}")
+        got = self._made.get(i)
+        if got is None:
+            got = self._made[i] = self._item(i)
+        return got
+
+
+def _task_items(cfg: DataConfig, seed: int, size: int) -> TaskItems:
+    return TaskItems(cfg, seed, size)
 
 
 def _jsonable(x: Any) -> Any:
@@ -127,8 +158,9 @@ def shard_state_path(path: str | Path, shard: ShardConfig | None) -> Path:
     return p.with_name(f"{p.stem}.shard{shard.index}of{shard.count}{p.suffix}")
 
 
-def load_items(cfg: DataConfig, *, eval: bool = False) -> list[tuple[Any, Any, dict[str, Any]]]:
-    """(prompt, label, metadata) triples of the training (or evaluation) set, unshuffled."""
+def load_items(cfg: DataConfig, *, eval: bool = False) -> Sequence[tuple[Any, Any, dict[str, Any]]]:
+    """(prompt, label, metadata) triples of the training (or evaluation) set, unshuffled (a task's
+    are made when first read: ``TaskItems``)."""
     if cfg.task:
         if eval:
             return _task_items(cfg, cfg.seed + EVAL_SEED_OFFSET, cfg.eval_size)

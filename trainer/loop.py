@@ -198,6 +198,27 @@ def build_state(cfg: HeadraceConfig, info: Any) -> TrainerState:
                         ref_model=ref, temperature=temp if temp > 0 else 1.0)
 
 
+def wait_for_services(cfg: HeadraceConfig, buffer_url: str, rollout_urls: Sequence[str], stop: StopRequest) -> None:
+    """Rank 0, once the model is built: wait until the buffer and every rollout service answer
+    /health (the buffer 60 s at most, a rollout service ``rollout.engines.startup_timeout_s`` + 60 s,
+    its engines' start included). So the trainer may be started together with them (``headrace
+    run`` does: its imports and model load overlap their start); a service that is already up
+    costs one request. A SIGTERM ends the wait."""
+    from headrace.shared.procs import wait_http
+
+    def stopping() -> str | None:
+        return "stop requested (SIGTERM) while waiting for the services" if stop.requested else None
+
+    waits = [(f"{buffer_url.rstrip('/')}/health", 60.0)]
+    waits += [(f"{u.rstrip('/')}/health", cfg.rollout.engines.startup_timeout_s + 60.0) for u in rollout_urls]
+    for url, timeout_s in waits:
+        try:
+            wait_http(url, 0.5, stopping)
+        except TimeoutError:
+            log.info("waiting for %s (at most %.0fs)", url, timeout_s)
+            wait_http(url, timeout_s, stopping)
+
+
 def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | Sequence[str] | None = None,
                  rollout: RolloutControl | None = None) -> dict[str, Any]:
     """Train on this rank until ``trainer.steps`` (or the buffer runs dry in train-only mode).
@@ -222,6 +243,8 @@ def run_training(cfg: HeadraceConfig, buffer_url: str, rollout_url: str | Sequen
             cleanup.callback(stop.uninstall)
             arch = st.model.arch
             urls = rollout_urls(rollout_url)
+            if info.rank == 0 and rollout is None:
+                wait_for_services(cfg, buffer_url, urls, stop)
             source = LeaseSource(cfg, buffer_url, urls[0] if urls else None, info.rank, arch.vocab_size,
                                  arch.max_position_embeddings, stop)
             cleanup.callback(source.close)

@@ -104,3 +104,24 @@ def test_reasoning_gym_source_and_eval_split() -> None:
     evals = load_items(cfg, eval=True)
     assert len(evals) == cfg.eval_size
     assert {e[0] for e in evals[:20]} != {t[0] for t in src.items}
+
+
+def test_task_items_are_made_when_read_in_any_order_as_the_eager_list() -> None:
+    """A 100,000-prompt pool costs nothing until drawn; entry i is the same whenever it is read."""
+    import reasoning_gym
+
+    cfg = DataConfig(task="chain_sum", size=100_000, seed=3, prompt_template="Q: {prompt}",
+                     task_config={"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    items = load_items(cfg)
+    assert len(items) == 100_000 and len(items._made) == 0   # type: ignore[attr-defined]
+    picks = [99_999, 3, 50_000, 0, -1]
+    got = [items[i] for i in picks]
+    ds = reasoning_gym.create_dataset("chain_sum", seed=3, size=100_000, **cfg.task_config)
+    at = [i % 100_000 for i in picks]
+    assert [g[0] for g in got] == [f"Q: {ds[i]['question']}" for i in at]
+    assert [g[1]["answer"] for g in got] == [ds[i]["answer"] for i in at]
+    assert items[2:5] == [items[2], items[3], items[4]] and len(items._made) == 6  # type: ignore[attr-defined]
+    with pytest.raises(IndexError):
+        items[100_000]
+    with pytest.raises(DataError, match="chain_sum"):
+        load_items(DataConfig(task="chain_sum", size=10, task_config={"min_terms": 5, "max_terms": 2}))
