@@ -2,7 +2,8 @@
 
 The run reads as the loop it supervises: resolve config -> prepare the model -> start buffer,
 rollout (which starts the engines) and trainer together (the trainer waits for the other two once
-its model is built) -> follow metrics.jsonl with a progress bar -> stop everything -> plot. The trainer drives the RL loop itself; this module only supervises.
+its model is built) -> follow metrics.jsonl with a progress bar -> stop everything -> plot. The
+trainer drives the RL loop itself; this module only supervises.
 
 What a run writes to ``<out>`` (``--out``, else ``run.out``): ``config.yaml`` (the resolved config,
 absolute paths and the ports actually used), ``metrics.jsonl`` (one JSON object per step: step,

@@ -141,10 +141,6 @@ class TaskItems(Sequence):
         return got
 
 
-def _task_items(cfg: DataConfig, seed: int, size: int) -> TaskItems:
-    return TaskItems(cfg, seed, size)
-
-
 def _jsonable(x: Any) -> Any:
     return json.loads(json.dumps(x, default=str))
 
@@ -163,8 +159,8 @@ def load_items(cfg: DataConfig, *, eval: bool = False) -> Sequence[tuple[Any, An
     are made when first read: ``TaskItems``)."""
     if cfg.task:
         if eval:
-            return _task_items(cfg, cfg.seed + EVAL_SEED_OFFSET, cfg.eval_size)
-        return _task_items(cfg, cfg.seed, cfg.size)
+            return TaskItems(cfg, cfg.seed + EVAL_SEED_OFFSET, cfg.eval_size)
+        return TaskItems(cfg, cfg.seed, cfg.size)
     path = cfg.eval_path if eval else cfg.path
     if not path:
         if eval:
