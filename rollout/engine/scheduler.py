@@ -83,6 +83,7 @@ class Scheduler:
         self.released: set[str] = set()
         self.weight_version = weight_version
         self.steps = self.generated = 0
+        self.prefilled = self.prefill_shared = 0   # rows run through prefill / given a copy of one
         self.last_step = time.monotonic()
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -188,6 +189,7 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.waiting), "paused": self.paused,
                 "weight_update_session": self.updating, "released": sorted(self.released),
                 "steps": self.steps, "generated_tokens": self.generated,
+                "prefilled_rows": self.prefilled, "prefill_shared_rows": self.prefill_shared,
                 "kv_cache_bytes": self.cache.nbytes() if self.cache is not None else 0,
                 "weights_bytes": self.model.nbytes()}
 
@@ -254,12 +256,29 @@ class Scheduler:
         assert self.cache is not None
         row0 = len(self.running)
         self.cache.ensure(row0 + len(batch), longest + 1)
-        ids = torch.zeros(len(batch), longest, dtype=torch.long)
-        for i, s in enumerate(batch):
+        # identical token lists (the n samples of one prompt: a GRPO group) are prefilled once, as
+        # SGLang's prefix cache would: the first of each runs the model into row row0 + j (j: its
+        # rank among the distinct lists), then every row of the batch copies its list's row and logits
+        first: dict[tuple[Any, ...], int] = {}
+        source = [first.setdefault((id(s.lora), *s.tokens), len(first)) for s in batch]
+        run = []   # the first sequence of each distinct list, in order (source ids count up from 0)
+        for s, j in zip(batch, source):
+            if j == len(run):
+                run.append(s)
+        ids = torch.zeros(len(run), longest, dtype=torch.long)
+        for r, s in enumerate(run):
             t = s.tokens
-            ids[i, :len(t)] = torch.tensor(t)
-        last = torch.tensor([len(s.tokens) - 1 for s in batch])
-        logits = self.model.forward(ids, self.cache, row0, last=last, lora=LoraBatch.of(batch))
+            ids[r, :len(t)] = torch.tensor(t)
+        last = torch.tensor([len(s.tokens) - 1 for s in run])
+        logits = self.model.forward(ids, self.cache, row0, last=last, lora=LoraBatch.of(run))
+        self.prefilled += len(run)
+        if len(run) < len(batch):
+            self.prefill_shared += len(batch) - len(run)
+            src = torch.tensor(source)
+            rows = src + row0   # gathered (a copy) before the assignment, so overlapping rows are safe
+            self.cache.k[:, row0:row0 + len(batch), :, :longest] = self.cache.k[:, rows, :, :longest]
+            self.cache.v[:, row0:row0 + len(batch), :, :longest] = self.cache.v[:, rows, :, :longest]
+            logits = logits[src]
         for s in batch:
             s.cached = len(s.tokens)
         self.running.extend(batch)

@@ -134,3 +134,43 @@ def test_scheduler_retract_and_continue_loses_no_tokens(tmp_path: Path) -> None:
         return done[0].output
 
     assert run(7) == run(None)
+
+
+def test_identical_prompts_in_one_admission_are_prefilled_once_and_decode_as_if_alone(tmp_path: Path) -> None:
+    """The n samples of a prompt share one prefill (cache row and logits copied), and each still
+    decodes exactly as it would alone: greedy rows agree with solo runs, seeded rows sample on."""
+    from headrace.shared.modelzoo import init_model
+
+    model = DecoderModel.from_pretrained(init_model("micro-qwen2", tmp_path / "m"))
+    vocab = model.arch.vocab_size
+    greedy = parse_sampling_params({"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}, vocab)
+    a, b, c = [5, 6, 7, 8], [9, 3, 4, 11, 12, 2, 7], [5, 6, 7]
+
+    def run(prompts: list[list[int]], seeds: list[int | None]) -> tuple[list[Seq], Scheduler]:
+        sch = Scheduler(model, TextCodec(None), set())
+        done: list[Seq] = []
+        seqs = []
+        for k, (p, seed) in enumerate(zip(prompts, seeds)):
+            sp = greedy if seed is None else parse_sampling_params(
+                {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": seed, "ignore_eos": True}, vocab)
+            seqs.append(Seq(rid=str(k), group=str(k), prompt=p, params=sp, return_logprob=True, on_finish=done.append,
+                            generator=None if seed is None else torch.Generator().manual_seed(seed)))
+        sch.add(seqs)
+        while len(done) < len(seqs):
+            sch._admit()
+            if sch.running:
+                sch._decode()
+        return seqs, sch
+
+    prompts = [a, b, a, a, b, c]
+    seeds = [None, None, None, 7, 8, None]
+    together, sch = run(prompts, seeds)
+    assert (sch.prefilled, sch.prefill_shared) == (3, 3)   # a, b, c once each; three copies
+    assert sch.state()["prefill_shared_rows"] == 3
+    for s, p, seed in zip(together, prompts, seeds):
+        [alone], solo = run([p], [seed])
+        assert solo.prefill_shared == 0
+        assert s.output == alone.output, (p, seed)
+        assert s.logprobs == pytest.approx(alone.logprobs, abs=1e-5)
+    assert together[0].output == together[2].output        # greedy copies agree
+    assert together[3].output != together[0].output        # a seeded copy samples its own tokens
