@@ -43,8 +43,9 @@ def train(
     world = t.tp * t.dp
     threads = t.threads or max(1, (os.cpu_count() or 1) // world)
     save_config(cfg, Path(cfg.run.out) / "trainer_config.yaml")
-    from headrace.trainer.launch import spawn
-    from headrace.trainer.loop import run_training_from_dict
+    from headrace.trainer.launch import Lazy, spawn
+
+    run_training_from_dict = Lazy("headrace.trainer.loop", "run_training_from_dict")  # imported by the ranks
 
     mode = f"rollout at {', '.join(urls)}" if urls else "train-only (no rollout URL)"
     typer.echo(f"headrace train: {world} rank(s) (tp={t.tp} dp={t.dp}, {threads} thread(s) each), "
