@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -297,7 +298,10 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
                 while trainer.alive():
                     sup.check()
                     bar.update(read_metrics(metrics_path))
-                    time.sleep(0.5)
+                    try:
+                        trainer.popen.wait(0.5)   # returns as soon as the trainer is done
+                    except subprocess.TimeoutExpired:
+                        pass
                 bar.update(read_metrics(metrics_path))
             if trainer.popen.returncode != 0:
                 raise ChildFailed(f"trainer exited with code {trainer.popen.returncode} (log {trainer.log_path}):\n{trainer.tail()}")
