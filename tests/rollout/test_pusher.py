@@ -1,0 +1,82 @@
+"""The rollout pusher against a buffer endpoint on loopback (real HTTP, real columnar bodies).
+
+The endpoint is a minimal HTTP server in this process that answers ``POST /v1/groups`` like the
+buffer (``{"accepted", "duplicates"}``) after a delay, and records every body it decodes and how
+many requests it held at once: enough to see the pusher's batching and its posts in flight, which a
+real buffer answers too fast to observe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from headrace.rollout.pusher import MAX_IN_FLIGHT, Pusher
+from headrace.shared import columns as cols
+from headrace.shared.client import AsyncBufferClient
+from headrace.shared.schemas import Group
+from tests.trainer.support import make_groups
+
+
+class SlowBuffer:
+    """``POST /v1/groups`` answered after ``delay_s``; group ids per request and peak concurrency."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.requests: list[list[str]] = []
+        self.held = self.peak = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):   # the client closed its connection
+                break
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:"))
+            columns, _ = cols.decode(await reader.readexactly(length))
+            self.held += 1
+            self.peak = max(self.peak, self.held)
+            await asyncio.sleep(self.delay_s)
+            self.held -= 1
+            self.requests.append(list(columns.group_id))
+            body = json.dumps({"accepted": len(columns.group_id), "duplicates": 0}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+        writer.close()
+
+
+def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it() -> None:
+    groups = [Group.model_validate(g) for g in make_groups(n_groups=25, size=2, seed=4)]
+
+    async def run() -> tuple[SlowBuffer, list[str], int]:
+        buffer = SlowBuffer(delay_s=0.3)
+        server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=0)
+        pusher = Pusher(client, batch=64, retry_max_s=1.0)
+        pusher.start()
+        first = asyncio.create_task(pusher.push(groups[0]))
+        await asyncio.sleep(0.05)        # the first group is on its way alone
+        second = asyncio.create_task(pusher.push(groups[1]))
+        await asyncio.sleep(0.05)        # so is the second: two posts in flight
+        rest = [asyncio.create_task(pusher.push(g)) for g in groups[2:]]
+        await asyncio.sleep(0.05)
+        pending = pusher.pending         # queued behind two posts, all counted
+        outcomes = await asyncio.gather(first, second, *rest)
+        assert pusher.pending == 0
+        await pusher.stop()
+        await client.close()
+        server.close()
+        await server.wait_closed()
+        return buffer, outcomes, pending
+
+    buffer, outcomes, pending = asyncio.run(run())
+    assert outcomes == ["accepted"] * len(groups)
+    assert pending == len(groups)
+    assert buffer.peak == MAX_IN_FLIGHT == 2
+    ids = [g for r in buffer.requests for g in r]
+    assert sorted(ids) == sorted(g.group_id for g in groups)          # each group exactly once
+    # the first two went alone; everything queued meanwhile went as one batch when a post returned
+    assert [len(r) for r in buffer.requests] == [1, 1, len(groups) - 2]
