@@ -49,7 +49,7 @@ def serve(
             raise ValueError(refusal)
         from headrace.rollout.service import create_app
 
-        app = create_app(cfg)
+        app = create_app(cfg, launch_engines=True)
     except (ConfigError, PluginError, ValueError, OSError) as e:  # DataError is a ValueError
         typer.echo(f"headrace rollout serve: {e}", err=True)
         raise typer.Exit(2)

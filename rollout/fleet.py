@@ -31,9 +31,12 @@ Guarantees:
 - Launched engines die with this process, even when it is killed with SIGKILL: a reference engine
   gets ``--parent-pid`` (its watchdog stops it once this process is gone); an SGLang engine gets
   ``PR_SET_PDEATHSIG`` = SIGTERM (Linux) in ``preexec_fn``. The death signal follows the *thread*
-  that forked: engines are launched from the event loop, i.e. the main thread, which lives as long
-  as the service. A configured port still held (by engines of a killed predecessor, which are
-  stopping) is waited for up to ``PORT_WAIT_S`` before another port is taken.
+  that forked: engines are launched from the main thread (``launch``, or the event loop), which
+  lives as long as the service. A configured port still held (by engines of a killed predecessor,
+  which are stopping) is waited for up to ``PORT_WAIT_S`` before another port is taken.
+- ``launch`` starts the engine processes without waiting for them, so the rollout service calls it
+  before loading its data and tokenizer, which then overlap the engines' own start; ``start``
+  launches them if that was not done, then waits until they are healthy.
 - Launched engines bind ``engines.host`` (127.0.0.1) and are listed (``/v1/engines``, the URLs the
   trainer dials for weight sync) as ``http://<engines.advertise_host or host>:<port>``; bound to
   0.0.0.0 / :: without an advertise host, they are listed under this machine's host name.
@@ -64,7 +67,7 @@ PORT_WAIT_S = 15.0   # engines of a killed service stop within ~10 s (watchdog +
 HELD_AFTER_S = 20.0  # /health 503 while /get_model_info answers, this long: the engine is paused, not starting
 
 
-async def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool:
+def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool:
     """Whether ``port`` can be listened on, waiting up to ``wait_s`` while it is held. SO_REUSEADDR
     as uvicorn binds: connections in TIME_WAIT do not hold it."""
     deadline = time.monotonic() + wait_s
@@ -79,7 +82,7 @@ async def _port_freed(port: int, host: str, wait_s: float = PORT_WAIT_S) -> bool
         if time.monotonic() >= deadline:
             log.warning("port %d is still in use after %.0f s; taking another", port, wait_s)
             return False
-        await asyncio.sleep(0.25)
+        time.sleep(0.25)   # only before any engine runs (launch): nothing else waits on this thread
 
 
 def die_with_parent() -> Any:
@@ -256,6 +259,33 @@ class Fleet:
         except httpx.HTTPError:
             return False
 
+    def launch(self) -> None:
+        """Pick the ports and start every engine process this fleet launches, without waiting for
+        them (a no-op for external engines, or once done). Call from the main thread."""
+        if self.cfg.backend == "external" or self.engines:
+            return
+        taken: set[int] = set()
+        host = advertised_host(self.cfg.host, self.cfg.advertise_host)
+        count = len(self.cfg.urls) if self.cfg.backend == "vllm" and self.cfg.urls else self.cfg.count
+        for i in range(count):
+            port = self.cfg.base_port + i
+            if port in taken or not _port_freed(port, self.cfg.host):
+                port = free_port()
+            taken.add(port)
+            self.engines.append(Engine(index=i, url=f"http://{host}:{port}", port=port, world_size=self.cfg.tp))
+        try:
+            for e in self.engines:
+                self._launch(e)
+        except BaseException:
+            self.kill_launched()
+            raise
+
+    def kill_launched(self) -> None:
+        """End the engine processes ``launch`` started (a service that fails before it serves)."""
+        for e in self.engines:
+            if e.proc is not None:
+                stop_group(e.proc)
+
     async def start(self) -> None:
         """Launch or attach every engine and wait until all are healthy (or held); then watch them."""
         if self.cfg.backend == "external":
@@ -264,18 +294,7 @@ class Fleet:
             self.engines = [Engine(index=i, url=u.rstrip("/"), world_size=self.cfg.tp)
                             for i, u in enumerate(self.cfg.urls)]
         else:
-            taken: set[int] = set()
-            host = advertised_host(self.cfg.host, self.cfg.advertise_host)
-            count = len(self.cfg.urls) if self.cfg.backend == "vllm" and self.cfg.urls else self.cfg.count
-            for i in range(count):
-                port = self.cfg.base_port + i
-                if port in taken or not await _port_freed(port, self.cfg.host):
-                    port = free_port()
-                taken.add(port)
-                self.engines.append(Engine(index=i, url=f"http://{host}:{port}", port=port,
-                                           world_size=self.cfg.tp))
-            for e in self.engines:
-                self._launch(e)
+            self.launch()
         try:
             held_after = HELD_AFTER_S if self.cfg.backend == "external" else None
             await asyncio.gather(*(self._wait_healthy(e, self.cfg.startup_timeout_s, held_after) for e in self.engines))

@@ -99,7 +99,7 @@ def load_tokenizer(model_dir: str) -> Any:
 class RolloutService:
     """Wires data, fleet, router, plugins and the loop together; owns start / stop."""
 
-    def __init__(self, cfg: HeadraceConfig) -> None:
+    def __init__(self, cfg: HeadraceConfig, launch_engines: bool = False) -> None:
         rc = cfg.rollout
         self.cfg = cfg
         self.generate_fn = load_plugin(rc.generate, what="rollout.generate") if rc.generate else single_turn
@@ -111,15 +111,21 @@ class RolloutService:
         self.agent_fn = load_agent(rc.agent) if rc.agent else None
         self.app: Any = None   # the ASGI app (create_app): in-service agents' calls are served through it
         self.filter_fn = load_filter(rc.filter)
-        self.state_path = cfg.resolved_path(rc.state_path, "rollout_state.json")
-        self.data = DataSource(rc.data, self.state_path)
-        self.run_id = rc.run_id or "r" + hashlib.sha1(str(self.state_path.resolve()).encode()).hexdigest()[:8]
         self.log_dir = Path(cfg.run.out) / "logs"
-        self.tokenizer = load_tokenizer(cfg.model)
         self.fleet = Fleet(rc.engines, cfg.model, self.log_dir, token=cfg.auth.token)
         self.adapters = AdapterSync(self.fleet)   # trainer.lora_sync: adapter (POST /v1/load_adapter)
         if adapter_mode(cfg):
             self.fleet.adapter_root = adapter_root(cfg)
+        if launch_engines:   # they load their model while the data and the tokenizer load here
+            self.fleet.launch()   # (`start` waits for them; a failure before serving ends them)
+        try:
+            self.state_path = cfg.resolved_path(rc.state_path, "rollout_state.json")
+            self.data = DataSource(rc.data, self.state_path)
+            self.run_id = rc.run_id or "r" + hashlib.sha1(str(self.state_path.resolve()).encode()).hexdigest()[:8]
+            self.tokenizer = load_tokenizer(cfg.model)
+        except BaseException:
+            self.fleet.kill_launched()
+            raise
         self.gate = Gate()
         self.started = time.time()
 
@@ -260,9 +266,11 @@ class RolloutService:
         }
 
 
-def create_app(cfg: HeadraceConfig) -> FastAPI:
-    """The FastAPI app; plugins and data load here (errors surface before serving)."""
-    svc = RolloutService(cfg)
+def create_app(cfg: HeadraceConfig, launch_engines: bool = False) -> FastAPI:
+    """The FastAPI app; plugins and data load here (errors surface before serving). With
+    ``launch_engines`` (``headrace rollout serve``) the engines this service launches are started
+    here, before the data and tokenizer load, rather than when the app starts."""
+    svc = RolloutService(cfg, launch_engines)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -83,3 +83,31 @@ def test_config_check_resolves_a_file_and_hides_the_token(tmp_path) -> None:
     p = run(*headrace_cmd("config", "--check", str(conf)))
     assert p.returncode == 2 and "rollout.engines.urls" in p.stderr
     assert run(*headrace_cmd("config")).returncode == 2
+
+
+def test_rollout_serve_starts_its_engine_before_the_data_and_ends_it_when_the_data_is_bad(tmp_path) -> None:
+    """`headrace rollout serve` launches its engines before loading data and tokenizer (they load
+    their model meanwhile); bad data still exits 2 naming the problem, and ends the engine it started."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from headrace.shared.modelzoo import init_model
+    from tests.procs import free_port
+
+    model = init_model("micro-qwen2", tmp_path / "model")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": str(model), "run": {"out": str(tmp_path / "run")},
+        "rollout": {"engines": {"backend": "reference", "count": 1, "base_port": free_port()},
+                    "data": {"path": str(tmp_path / "missing.jsonl")}}}))
+    p = run(*headrace_cmd("rollout", "serve", "--config", str(cfg), "--port", str(free_port())))
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "missing.jsonl" in p.stderr and "does not exist" in p.stderr
+    launched = re.search(r"engine 0: pid (\d+)", p.stderr)
+    assert launched, p.stderr[-2000:]                    # the engine was started first ...
+    pid = int(launched.group(1))
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"   # ... and ended
+    assert (tmp_path / "run" / "logs" / "engine-0.log").exists()
