@@ -188,9 +188,11 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
     try:
         svc.wait_http(f"{url}/health", timeout=180)
 
+        client = httpx.Client(timeout=900)   # one client for every round, as the trainer's (making one costs 50-80 ms)
+
         def batch(groups: int) -> float:
             t0 = time.perf_counter()
-            r = httpx.post(f"{url}/v1/generate_batch", json={"groups": groups, "weight_version": 0}, timeout=900)
+            r = client.post(f"{url}/v1/generate_batch", json={"groups": groups, "weight_version": 0})
             dt = time.perf_counter() - t0
             if r.status_code != 200 or r.json()["groups"] != groups:
                 raise RuntimeError(f"generate_batch: {r.status_code} {r.text[:500]}\n{svc.log()[-3000:]}")

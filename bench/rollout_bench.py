@@ -16,7 +16,18 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
 
 Prints groups/s of each (medians over ``--rounds``), the ratio service / the faster direct way and
 the overhead (target: overhead <= 10%), and the service against single requests. The service shares the CPU with the engines here; on 2 cores that
-contention is part of what is measured.
+contention is part of what is measured. The service is called through the trainer's own client
+(``RolloutClient``, one connection for every round); before 3 Dec each round made a new httpx
+client, 50-80 ms of this process's time charged to the service alone.
+
+Measured 3 Dec (2 engines, defaults; load ~1): 0.82, 0.87, 0.83, 0.84, 0.81, 0.86 (until then
+0.69-0.78, ~0.05-0.08 of it that client). Traced per round (~0.3 s): ~19 ms from the request to
+the first ``/generate`` (preparing 256 sequences: 32 groups' prompts and samples), the engines'
+batches (every round 4 requests of 32 sequences per engine on both paths; the two engines finish
+up to 40-90 ms apart on both paths), then 22-28 ms from the last answer to the last push (the
+answered groups' samples, rewards, columns and the buffer's commit, ~2 ms of CPU per group).
+Sending each batch as soon as it is full instead of once all are prepared staggers the engines'
+admission and made the ratio worse (0.64).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from headrace.shared.rollout_client import RolloutClient  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 
@@ -59,12 +71,13 @@ async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampli
         return time.perf_counter() - t0
 
 
-def service_round(url: str, groups: int) -> float:
+def service_round(client: RolloutClient, groups: int) -> float:
+    """One ``generate_batch`` through the trainer's own client (persistent connection: creating an
+    httpx client costs 50-80 ms here, which a round must not pay when the trainer does not)."""
     t0 = time.perf_counter()
-    r = httpx.post(f"{url}/v1/generate_batch", json={"groups": groups}, timeout=900.0)
+    got = client.generate_batch(groups)
     dt = time.perf_counter() - t0
-    r.raise_for_status()
-    assert r.json()["groups"] == groups, r.text
+    assert got["groups"] == groups, got
     return dt
 
 
@@ -130,11 +143,12 @@ def main() -> None:
         procs.append(svc)
         url = f"http://127.0.0.1:{rport}"
         svc.wait_http(f"{url}/health", timeout=120)
+        rollout = RolloutClient(url, timeout=900.0)
 
         # warm-up every path (engine caches, connection pools, first-call imports)
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling))
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling, args.direct_batch))
-        service_round(url, args.groups)
+        service_round(rollout, args.groups)
         times: dict[str, list[float]] = {"direct": [], "direct_batched": [], "service": []}
         cpu = dict.fromkeys(times, 0.0)
         offset = args.groups
@@ -143,7 +157,7 @@ def main() -> None:
             for which in order[r % 3:] + order[:r % 3]:
                 if which == "service":
                     c0 = cpu_seconds(svc.pid)
-                    times[which].append(service_round(url, args.groups))
+                    times[which].append(service_round(rollout, args.groups))
                     cpu[which] += cpu_seconds(svc.pid) - c0
                 else:
                     c0 = time.process_time()
@@ -166,6 +180,7 @@ def main() -> None:
                   "ratio_vs_single_requests": round(s / rate["direct"], 3),
                   "client_cpu_s_per_group": {k: round(v / (args.groups * args.rounds), 4) for k, v in cpu.items()}}
         print(json.dumps(result))
+        rollout.close()
     finally:
         for p in reversed(procs):
             p.stop()
