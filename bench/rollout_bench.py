@@ -20,7 +20,7 @@ contention is part of what is measured. The service is called through the traine
 (``RolloutClient``, one connection for every round); before 3 Dec each round made a new httpx
 client, 50-80 ms of this process's time charged to the service alone.
 
-Measured 3 Dec (2 engines, defaults; load ~1): 0.82, 0.87, 0.83, 0.84, 0.81, 0.86 (until then
+Measured 3 Dec (2 engines, defaults; load ~1): 0.82, 0.87, 0.83, 0.84, 0.81 (until then
 0.69-0.78, ~0.05-0.08 of it that client). Traced per round (~0.3 s): ~19 ms from the request to
 the first ``/generate`` (preparing 256 sequences: 32 groups' prompts and samples), the engines'
 batches (every round 4 requests of 32 sequences per engine on both paths; the two engines finish
