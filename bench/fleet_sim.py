@@ -185,10 +185,9 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
         argv = [argv[0], "-c", PROFILED, profile, *argv[3:]]
     svc = Proc(argv, tmp / f"rollout-{e}.log", env=child_env(HEADRACE_LOG_LEVEL="WARNING"))
     url = f"http://127.0.0.1:{port}"
+    client = httpx.Client(timeout=900)   # one client for every round, as the trainer's (making one costs 50-80 ms)
     try:
         svc.wait_http(f"{url}/health", timeout=180)
-
-        client = httpx.Client(timeout=900)   # one client for every round, as the trainer's (making one costs 50-80 ms)
 
         def batch(groups: int) -> float:
             t0 = time.perf_counter()
@@ -218,6 +217,7 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
                       "service_cpu_share": cpu_svc / sum(times), "engines_cpu_share": cpu_sim / sum(times),
                       "buffer_cpu_share": cpu_buf / sum(times)}
     finally:
+        client.close()
         if profile and svc.alive():
             os.kill(svc.pid, signal.SIGUSR1)
             deadline = time.monotonic() + 30
