@@ -7,7 +7,8 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
 - direct: this process tokenizes the prompts and sends every /generate straight to the engines
   (round-robin, all concurrently, return_logprob on), nothing else: one request per sequence, and
   ``direct_batched``: batch requests of ``--direct-batch`` sequences (what the service's
-  transport sends when it coalesces);
+  transport sends when it coalesces); through the service's own engine client
+  (``rollout.transport.JsonWire``: aiohttp, orjson), so that only the service differs;
 - service: ``headrace rollout serve`` attached to the same engines (backend external, on_demand)
   answers ``POST /v1/generate_batch`` — routing, logprobs, reward (exact_match), group validation
   and the push to the buffer included.
@@ -28,6 +29,13 @@ up to 40-90 ms apart on both paths), then 22-28 ms from the last answer to the l
 answered groups' samples, rewards, columns and the buffer's commit, ~2 ms of CPU per group).
 Sending each batch as soon as it is full instead of once all are prepared staggers the engines'
 admission and made the ratio worse (0.64).
+
+3 Dec, later: the service's engine requests moved from httpx to aiohttp (~0.7 ms of CPU per
+request against 2-3 ms), and this bench's direct paths with them (until then they used httpx with
+the fleet's settings and the stdlib's JSON). The service's CPU per group fell from ~2.7 to ~2.1 ms
+but its rounds did not get shorter, while the direct paths' did: ratio 0.79 (RATIO2). A round is the
+engines' batches plus the service's serial part (preparing the sequences before the first send,
+and the answers' samples and the push after the last answer), not its CPU throughput.
 """
 
 from __future__ import annotations
@@ -43,9 +51,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
+import orjson  # noqa: E402
 import yaml  # noqa: E402
 
+from headrace.rollout.transport import JsonWire  # noqa: E402
 from headrace.shared.rollout_client import RolloutClient  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
@@ -53,22 +62,27 @@ from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampling: dict, batch: int = 1) -> float:
     """Every sequence straight to the engines, all at once: one request each (``batch`` 1) or in
     batch requests of ``batch`` sequences (what the service's transport does with coalescing)."""
-    # the same client settings as the service's fleet (rollout/fleet.py), so only the service differs
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=16, keepalive_expiry=2.0)
+    # the service's own HTTP client for engines (rollout/transport.py: aiohttp, orjson), so only
+    # the service differs
     seqs = [p for p in prompts for _ in range(n)]
     chunks = [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
-    async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-        async def one(i: int, chunk: list[list[int]]) -> None:
-            r = await client.post(f"{urls[i % len(urls)]}/generate", json={
-                "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True})
-            r.raise_for_status()
-            outs = r.json()
-            for out in outs if batch > 1 else [outs]:
-                assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
+    wire = JsonWire({}, 600.0)
+    wire.session()
 
+    async def one(i: int, chunk: list[list[int]]) -> None:
+        r = await wire.post(f"{urls[i % len(urls)]}/generate", {
+            "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True})
+        assert r.status_code == 200, r.text[:500]
+        outs = orjson.loads(r.content)
+        for out in outs if batch > 1 else [outs]:
+            assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
+
+    try:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, c) for i, c in enumerate(chunks)))
         return time.perf_counter() - t0
+    finally:
+        await wire.close()
 
 
 def service_round(client: RolloutClient, groups: int) -> float:

@@ -151,9 +151,12 @@ class EngineClient:
             if seg_ids:  # a segment counts only when it produced tokens (an abort can come before any)
                 ctx.note_version(version)
                 segments += 1
-            ids += seg_ids
-            lps += out["meta_info"]["output_token_logprobs"]
-            floats += logprobs_of(out)
+            if answers:   # a resumed partial rollout: join the segments
+                ids += seg_ids
+                lps += out["meta_info"]["output_token_logprobs"]
+                floats += logprobs_of(out)
+            else:   # the answer's own lists (parsed for this call alone): no copy of 3 x 2k items
+                ids, lps, floats = seg_ids, out["meta_info"]["output_token_logprobs"], logprobs_of(out)
             text = out.get("text") or ""
             answers += 1
             reason = out["meta_info"]["finish_reason"]["type"]

@@ -9,7 +9,9 @@ Guarantees:
   sample (reward null, reason in ``metadata["error"]``); the loop keeps running. A group's
   generated samples are checked once, together, as columns (``columns_push.check_outputs``: numpy
   over their tokens, masks and logprobs; the row schema only for a sample it flags), before
-  scoring; no per-sample pydantic validation or deep copy on the hot path.
+  scoring; no per-sample pydantic validation or deep copy on the hot path. The default generator's
+  token, mask and logprob lists are not walked a second time: they are the tokenizer's output and
+  engine answers the transport checked (``transport.check_answer``); its other fields are.
 - Each generator call gets its own copy of the prompt sample (fresh lists and free-form
   containers): a generator that mutates its input cannot reach another sample.
 - Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
@@ -32,7 +34,7 @@ from pydantic import ValidationError
 from headrace.rollout.columns_push import check_outputs, copy_for_generator, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
-from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext
+from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn
 from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, score_sample
 from headrace.shared.client import AsyncBufferClient
@@ -41,6 +43,10 @@ from headrace.shared.schemas import Group, Sample, SampleStatus
 from headrace.shared.staleness import admission_cap
 
 log = logging.getLogger("headrace.rollout")
+
+# (context, the prompt sample, what the generator returned, whether those samples' numeric lists
+# are valid by construction: the default generator's, from checked engine answers)
+Made = tuple[RolloutContext, Sample, list[Sample], bool]
 
 
 def prompt_sample(**fields: Any) -> Sample:
@@ -107,36 +113,43 @@ class RolloutLoop:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         return list(self.tokenizer(p)["input_ids"]), p
 
-    async def _generate(self, base: Sample, sampling: dict[str, Any]) -> tuple[RolloutContext, Sample, list[Sample]]:
-        """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the reason."""
+    async def _generate(self, base: Sample, sampling: dict[str, Any]) -> Made:
+        """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the
+        reason; and whether their numeric lists are valid by construction (``Made``)."""
         ctx = self._ctx()
+        built = False
         async with self.samples_sem:
             try:
-                out = await self.generate_fn(ctx, copy_for_generator(base), dict(sampling))
+                given = copy_for_generator(base)
+                out = await self.generate_fn(ctx, given, dict(sampling))
                 outs = out if isinstance(out, list) else [out]
                 if not outs or not all(isinstance(s, Sample) for s in outs):
                     raise TypeError(f"generator must return a Sample or a list of Samples, got {_typename(out)}")
+                # the default generator appends one checked engine answer to the tokenized prompt
+                built = self.generate_fn is single_turn and out is given
             except ValidationError as e:  # the generator built a Sample that breaks the schema
                 outs = [failed(base, f"generator produced an invalid sample: {short(e)}")]
             except Exception as e:  # noqa: BLE001 - a generator fault fails the sample only
                 self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
                 outs = [failed(base, f"generate: {type(e).__name__}: {e}")]
-        return ctx, base, outs
+        return ctx, base, outs, built
 
-    async def _finish(self, made: list[tuple[RolloutContext, Sample, list[Sample]]]) -> list[Sample]:
+    async def _finish(self, made: list[Made]) -> list[Sample]:
         """Check every generated sample at once (invalid ones fail with the schema's message), tag
         versions, score; samples in order."""
         seen: set[int] = set()
         flat: list[tuple[RolloutContext, Sample, Sample]] = []
-        for ctx, base, outs in made:
+        built: list[bool] = []
+        for ctx, base, outs, numbers_valid in made:
             for s in outs:
                 if id(s) in seen:  # one object returned twice: each place gets its own sample
                     s = s.model_copy(deep=True)
                 seen.add(id(s))
                 flat.append((ctx, base, s))
+                built.append(numbers_valid)
         todo = [(k, s) for k, (_, _, s) in enumerate(flat) if s.status != SampleStatus.failed.value]
         samples = [s for _, _, s in flat]
-        for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo])):
+        for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo], [built[k] for k, _ in todo])):
             samples[k] = ok if ok is not None else failed(flat[k][1], f"generator produced an invalid sample: {why}")
         scoring = []
         for (ctx, _, _), s in zip(flat, samples):

@@ -59,6 +59,19 @@ def test_a_broken_sample_gets_the_schemas_message_and_only_it_fails(change: dict
     assert ok is None and why is not None and needle in why, why
 
 
+def test_samples_built_from_checked_parts_skip_only_the_per_token_pass() -> None:
+    # the default generator's samples (tokenizer output + answers check_answer passed) are marked:
+    # their token / mask / logprob lists are not walked again, every other field still is
+    tokens_bad, status_bad = _sample(tokens=[3, -4, 5, 6, 7]), _sample(status="bogus")
+    assert check_outputs([tokens_bad], [False])[0][0] is None        # not marked: walked and flagged
+    assert check_outputs([tokens_bad], [True]) == [(tokens_bad, None)]   # marked: vouched for by the caller
+    (ok, why), = check_outputs([status_bad], [True])
+    assert ok is None and why is not None and "status" in why
+    fine, mixed = _sample(), _sample(loss_mask=[1, 2])
+    out = check_outputs([fine, mixed], [True, False])
+    assert out[0] == (fine, None) and out[1][0] is None and "loss_mask values must be 0 or 1" in out[1][1]
+
+
 def test_unusual_but_valid_values_are_normalised_by_the_schema() -> None:
     s = _sample(tokens=np.array([3, 4, 5, 6, 7]), loss_mask=[1, 1])
     (ok, why), = check_outputs([s])
@@ -83,7 +96,8 @@ def _answer(ids: list, lps: list) -> dict:
                                                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
 
 
-@pytest.mark.parametrize("ids, lps", [([1, -2], [-0.1, -0.2]), ([1, 2.5], [-0.1, -0.2]), ([1, "2"], [-0.1, -0.2]),
+@pytest.mark.parametrize("ids, lps", [([1, -2], [-0.1, -0.2]), ([1, 2**31], [-0.1, -0.2]),
+                                      ([1, 2.5], [-0.1, -0.2]), ([1, "2"], [-0.1, -0.2]),
                                       ([1, 2], [-0.1, 0.5]), ([1, 2], [-0.1, float("inf")]), ([1, 2], [-0.1, "x"]),
                                       ([1, 2], [-0.1, None])])
 def test_garbage_engine_answers_are_retryable(ids: list, lps: list) -> None:

@@ -47,6 +47,7 @@ def test_concurrent_sequences_travel_as_batches_and_each_caller_gets_its_own_ans
         t = Transport(http, timeout_s=60, window_s=0.05, max_batch=16)
         prompts = [[3 + (i * 7 + j) % 150 for j in range(2 + i % 9)] for i in range(40)]
         outs = await asyncio.gather(*(t.post(engine_url, p, _params(i)) for i, p in enumerate(prompts)))
+        await t.close()
         return [(p, o) for p, o in zip(prompts, outs)], t
 
     pairs, t = _run(go)
@@ -64,7 +65,9 @@ def test_a_refused_sequence_fails_alone_and_n_above_1_is_refused(engine_url: str
         calls = [t.post(engine_url, [5, 6, 7], _params(0)) for _ in range(5)]
         calls.insert(2, t.post(engine_url, [5, 10**7], _params(0)))           # outside the vocabulary
         calls.append(t.post(engine_url, [8, 9], {"max_new_tokens": 2, "n": 2, "ignore_eos": True}))
-        return await asyncio.gather(*calls, return_exceptions=True), t
+        outs = await asyncio.gather(*calls, return_exceptions=True)
+        await t.close()
+        return outs, t
 
     outs, t = _run(go)
     assert isinstance(outs[2], EngineError) and "400" in str(outs[2])
@@ -92,6 +95,13 @@ async def generate(request: Request):
     batch = isinstance(body["input_ids"][0], list)
     one = {"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "length"},
            "output_token_logprobs": [[-0.5, 1, None]]}}
+    if mode == "auth":              # an engine behind the run token: answers only the bearer
+        if request.headers.get("authorization") != "Bearer s3cret":
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        return [one] * len(body["input_ids"]) if batch else one
+    if mode == "slow":              # never answers in time
+        import asyncio
+        await asyncio.sleep(30)
     if mode == "nobatch":           # takes one sequence per request only
         return JSONResponse({"error": "input_ids: expected a list of ints"}, status_code=422) if batch else one
     return [one] * (len(body["input_ids"]) - 1 if batch else 0)          # one answer short
@@ -119,6 +129,7 @@ def test_a_server_that_refuses_batches_gets_one_sequence_per_request(tmp_path: P
             first = await asyncio.gather(*(t.post(url, [1, 2], _params(0)) for _ in range(4)))
             sent = t.requests
             second = await asyncio.gather(*(t.post(url, [1, 2], _params(0)) for _ in range(4)))
+            await t.close()
             return first + second, [sent, t.requests], t
 
         outs, sent, t = _run(go)
@@ -135,7 +146,9 @@ def test_a_failed_batch_reaches_every_caller_as_the_single_request_error(tmp_pat
     try:
         async def go(http: httpx.AsyncClient) -> list[Any]:
             t = Transport(http, timeout_s=30, window_s=0.05, max_batch=16)
-            return await asyncio.gather(*(t.post(url, [1, 2], _params(i)) for i in range(4)), return_exceptions=True)
+            outs = await asyncio.gather(*(t.post(url, [1, 2], _params(i)) for i in range(4)), return_exceptions=True)
+            await t.close()
+            return outs
 
         outs = _run(go)
         assert len(outs) == 4 and all(isinstance(o, error) for o in outs), outs
@@ -148,7 +161,40 @@ def test_coalescing_off_sends_one_request_per_sequence(engine_url: str) -> None:
     async def go(http: httpx.AsyncClient) -> Transport:
         t = Transport(http, timeout_s=60, window_s=0.0)
         await asyncio.gather(*(t.post(engine_url, [4, 5, 6], _params(i)) for i in range(5)))
+        await t.close()
         return t
 
     t = _run(go)
     assert t.requests == t.sequences == 5
+
+
+def test_the_clients_bearer_token_goes_with_every_request_and_a_slow_engine_times_out(tmp_path: Path) -> None:
+    url, proc = _fake(tmp_path, "auth")
+    (tmp_path / "slow").mkdir()
+    slow_url, slow = _fake(tmp_path / "slow", "slow")
+    try:
+        async def go(http: httpx.AsyncClient) -> tuple[list[Any], list[Any], list[Any]]:
+            t = Transport(http, timeout_s=1.5, window_s=0.05, max_batch=16)
+            ok = await asyncio.gather(*(t.post(url, [1, 2], _params(0)) for _ in range(3)), return_exceptions=True)
+            late = await asyncio.gather(*(t.post(slow_url, [1, 2], _params(0)) for _ in range(3)),
+                                        return_exceptions=True)
+            await t.close()
+            async with httpx.AsyncClient() as bare:   # no token
+                t2 = Transport(bare, timeout_s=30, window_s=0.05, max_batch=16)
+                refused = await asyncio.gather(*(t2.post(url, [1, 2], _params(0)) for _ in range(2)),
+                                               return_exceptions=True)
+                await t2.close()
+            return ok, late, refused
+
+        async def main() -> Any:
+            async with httpx.AsyncClient(headers={"Authorization": "Bearer s3cret"}) as http:
+                return await go(http)
+
+        ok, late, refused = asyncio.run(main())
+        assert all(isinstance(o, dict) and o["output_ids"] == [1] for o in ok), ok
+        assert all(isinstance(o, httpx.ReadTimeout) for o in late), late      # a TransportError: rerouted
+        assert all(isinstance(o, EngineError) and "401" in str(o) for o in refused), refused
+    finally:
+        for p in (proc, slow):
+            if p is not None:
+                p.stop()
