@@ -13,6 +13,9 @@ Guarantees of ``ctx.generate(input_ids, sampling)``:
   its partial tokens and logprobs and continues after resume with the remaining token budget, so the
   caller sees one answer (a partial rollout); ``meta_info["segments"]`` counts the engine answers
   that contributed tokens (an abort before the first token is a plain retry, not a resume);
+- the samples of one group share an engine (the least busy when the group's first request goes)
+  while it is routable and has fewer than one batch (``coalesce_max``) more requests in flight than
+  the least busy engine: batches hold whole groups, and a group is done when its engine is;
 - a request whose engine fails (connection lost, 5xx, garbage answer) is retried on another engine;
   4xx answers and exhausted retries raise ``EngineError`` (the sample becomes ``failed``);
 - ``ctx.weight_version`` afterwards is the oldest weight version that produced any of its tokens.
@@ -33,7 +36,7 @@ from headrace.shared.schemas import Sample, SampleStatus
 __all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn"]
 
 if TYPE_CHECKING:
-    from headrace.rollout.fleet import Fleet
+    from headrace.rollout.fleet import Engine, Fleet
     from headrace.rollout.router import Router
 
 GenerateFn = Callable[["RolloutContext", Sample, dict[str, Any]], Awaitable["Sample | list[Sample]"]]
@@ -102,15 +105,19 @@ class EngineClient:
                     ctx: Any = None) -> tuple[dict[str, Any], int]:
         """One attempt; returns (answer, version that produced it). Raises httpx errors / EngineError.
         A context with a ``pinned_engine`` attribute (an agent-gateway episode) keeps to that engine
-        while it is routable (its prefix cache holds the trajectory)."""
+        while it is routable (its prefix cache holds the trajectory); one with a ``group_engine``
+        cell (a group's samples) shares that engine while it is routable and has fewer than one
+        batch (``coalesce_max``) more requests in flight than the least busy engine."""
         while True:  # no await between the last gate check and enter(): a pause never misses us
             await self.gate.wait_open()
-            pinned = getattr(ctx, "pinned_engine", None)
-            engine = pinned if pinned is not None and pinned in self.fleet.routable() else await self.router.pick()
+            engine = self._sticky(ctx) or await self.router.pick()
             if not self.gate.paused:
                 break
         if hasattr(ctx, "pinned_engine"):
             ctx.pinned_engine = engine
+        cell = getattr(ctx, "group_engine", None)
+        if cell is not None:
+            cell[0] = engine
         version = self.gate.version
         engine.in_flight += 1
         self.gate.enter()
@@ -125,6 +132,19 @@ class EngineClient:
             self.gate.leave()
         engine.served += 1
         return out, version
+
+    def _sticky(self, ctx: Any) -> "Engine | None":
+        """The engine this context's calls stay on, if any (see ``_once``)."""
+        pinned = getattr(ctx, "pinned_engine", None)
+        if pinned is not None:
+            return pinned if pinned in self.fleet.routable() else None
+        cell = getattr(ctx, "group_engine", None)
+        if cell is None or cell[0] is None:
+            return None
+        engine, ready = cell[0], self.fleet.routable()
+        if engine in ready and engine.in_flight < min(e.in_flight for e in ready) + self.transport.max_batch:
+            return engine
+        return None
 
     async def generate(self, ctx: "RolloutContext", input_ids: list[int], sampling: dict[str, Any]) -> dict[str, Any]:
         budget = int(sampling.get("max_new_tokens", 128))
@@ -145,6 +165,8 @@ class EngineClient:
                 if attempts >= MAX_ATTEMPTS or bad >= MAX_BAD_ANSWERS:
                     raise EngineError(f"/generate failed {attempts} times; last: {type(e).__name__}: {e}") from None
                 ctx.logger.info("rerouting a request after %s: %s", type(e).__name__, e)
+                if getattr(ctx, "group_engine", None) is not None:
+                    ctx.group_engine[0] = None   # the router picks again, not the group's engine
                 await asyncio.sleep(min(2.0, 0.05 * attempts))
                 continue
             seg_ids = out["output_ids"]
@@ -198,6 +220,10 @@ class RolloutContext:
         self.logger = logger
         self.http = http
         self.weight_version: int | None = None
+        # the engine a group's samples share (a one-item list the loop gives all of them): their
+        # batches then hold whole groups (one prompt prefilled and cached once) and a group is
+        # done when one engine is, not when the slowest of several is
+        self.group_engine: list[Any] | None = None
 
     def note_version(self, version: int) -> None:
         self.weight_version = version if self.weight_version is None else min(self.weight_version, version)

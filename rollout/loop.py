@@ -113,10 +113,11 @@ class RolloutLoop:
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
         return list(self.tokenizer(p)["input_ids"]), p
 
-    async def _generate(self, base: Sample, sampling: dict[str, Any]) -> Made:
+    async def _generate(self, base: Sample, sampling: dict[str, Any], group_engine: list[Any] | None = None) -> Made:
         """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the
         reason; and whether their numeric lists are valid by construction (``Made``)."""
         ctx = self._ctx()
+        ctx.group_engine = group_engine
         built = False
         async with self.samples_sem:
             try:
@@ -182,7 +183,8 @@ class RolloutLoop:
             samples = await self.agent(item, gid)
         else:
             params = sampling or self.rc.sampling.to_sglang()
-            samples = await self._finish(await asyncio.gather(*(self._generate(b, params) for b in bases)))
+            shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
+            samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
         for i, s in enumerate(samples):  # generators may return several samples: renumber
             s.index, s.uid, s.group_id = i, f"{gid}-{i}", gid
         self.counts["samples"] += len(samples)
