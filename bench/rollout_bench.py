@@ -8,7 +8,7 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
   (round-robin, all concurrently, return_logprob on), nothing else: one request per sequence, and
   ``direct_batched``: batch requests of ``--direct-batch`` sequences (what the service's
   transport sends when it coalesces); through the service's own engine client
-  (``rollout.transport.JsonWire``: aiohttp, orjson), so that only the service differs;
+  (``shared.aio.AioHTTP``: aiohttp, orjson), so that only the service differs;
 - service: ``headrace rollout serve`` attached to the same engines (backend external, on_demand)
   answers ``POST /v1/generate_batch`` — routing, logprobs, reward (exact_match), group validation
   and the push to the buffer included.
@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 import yaml  # noqa: E402
 
-from headrace.rollout.transport import JsonWire  # noqa: E402
+from headrace.shared.aio import AioHTTP  # noqa: E402
 from headrace.shared.rollout_client import RolloutClient  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
@@ -66,12 +66,12 @@ async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampli
     # the service differs
     seqs = [p for p in prompts for _ in range(n)]
     chunks = [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
-    wire = JsonWire({}, 600.0)
+    wire = AioHTTP()
     wire.session()
 
     async def one(i: int, chunk: list[list[int]]) -> None:
-        r = await wire.post(f"{urls[i % len(urls)]}/generate", {
-            "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True})
+        r = await wire.post_json(f"{urls[i % len(urls)]}/generate", {
+            "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True}, 600.0)
         assert r.status_code == 200, r.text[:500]
         outs = orjson.loads(r.content)
         for out in outs if batch > 1 else [outs]:

@@ -23,11 +23,9 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
 - ``lora`` (a LoRA adapter's name, ``trainer.lora_sync: adapter``) goes into the body as SGLang's
   ``lora_path``; only sequences for the same adapter share a batch.
 
-The requests go out through aiohttp (``JsonWire``), not httpx: against the same server, a batch
-``/generate`` cost ~0.7 ms of this process's CPU with aiohttp and 2.0-3.0 ms with httpx (its
-connection pool rescans every pooled connection, and checks each socket, on every request). Its
-errors reach callers as the httpx exceptions named above (connection refused: ``httpx.ConnectError``,
-no answer in ``timeout_s``: ``httpx.ReadTimeout``, connection lost: ``httpx.ReadError``). The
+The requests go out through ``shared.aio.AioHTTP`` (aiohttp: a third of httpx's CPU per request);
+its errors are the httpx exceptions named above (connection refused: ``httpx.ConnectError``, no
+answer in ``timeout_s``: ``httpx.ReadTimeout``, connection lost: ``httpx.ReadError``). The
 ``Authorization`` header of the ``http`` client given is sent with every request; proxy variables
 of the environment are not used for engines.
 """
@@ -43,11 +41,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import httpx
 import numpy as np
 import orjson
 
+from headrace.shared.aio import AioHTTP, Reply
 from headrace.shared.schemas import MAX_TOKEN_ID
 
 log = logging.getLogger("headrace.rollout.transport")
@@ -147,58 +145,6 @@ class _Queue:
     timer: asyncio.TimerHandle | None = None
 
 
-class Reply:
-    """What the checks below read of an answer: its status and body."""
-
-    __slots__ = ("status_code", "content")
-
-    def __init__(self, status_code: int, content: bytes) -> None:
-        self.status_code, self.content = status_code, content
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
-
-
-class JsonWire:
-    """JSON POSTs over one aiohttp session (opened on first use, in the running loop), keep-alive
-    connections kept 2 s like the fleet's httpx client; failures raised as httpx exceptions."""
-
-    def __init__(self, headers: dict[str, str], timeout_s: float, connect_s: float = 5.0) -> None:
-        self.headers = {"content-type": "application/json", **headers}
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(connect_s, timeout_s), sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        """The open session (made now when there is none; needs the running loop)."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0), timeout=self.timeout,
-                headers=self.headers, trust_env=False, auto_decompress=True)
-        return self._session
-
-    async def post(self, url: str, body: dict[str, Any]) -> Reply:
-        session = self.session()
-        try:
-            data = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
-        except TypeError:   # what orjson does not take, the stdlib may (its error otherwise)
-            data = json.dumps(body).encode()
-        try:
-            async with session.post(url, data=data) as r:
-                return Reply(r.status, await r.read())
-        except asyncio.TimeoutError as e:   # aiohttp's timeouts are asyncio.TimeoutError subclasses
-            raise httpx.ReadTimeout(f"no answer from {url} within {self.timeout.sock_read} s") from e
-        except aiohttp.ClientConnectorError as e:
-            raise httpx.ConnectError(f"{type(e).__name__}: {e}") from e
-        except (aiohttp.ClientError, OSError) as e:   # disconnected, reset, truncated body
-            raise httpx.ReadError(f"{type(e).__name__}: {e}") from e
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-
 class Transport:
     """Posts /generate for one sequence at a time, coalescing concurrent ones per engine URL."""
 
@@ -207,7 +153,7 @@ class Transport:
         self.http = http
         self.timeout_s = timeout_s
         auth = http.headers.get("authorization")
-        self.wire = JsonWire({"authorization": auth} if auth else {}, timeout_s)
+        self.wire = AioHTTP({"authorization": auth} if auth else {})
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
         self._queues: dict[tuple[str, str, str | None], _Queue] = {}   # by (engine URL, sampling params, adapter)
@@ -240,9 +186,9 @@ class Transport:
                       lora: str | None = None) -> dict[str, Any]:
         self.requests += 1
         self.sequences += 1
-        r = await self.wire.post(f"{url}/generate", {
+        r = await self.wire.post_json(f"{url}/generate", {
             "input_ids": input_ids, "sampling_params": params, "return_logprob": True,
-            **({"lora_path": lora} if lora else {})})
+            **({"lora_path": lora} if lora else {})}, self.timeout_s)
         _raise_for_status(r, url)
         out = _json(r, url)
         if isinstance(out, list) and len(out) == 1:
@@ -270,9 +216,9 @@ class Transport:
         try:
             self.requests += 1
             self.sequences += len(items)
-            r = await self.wire.post(f"{url}/generate", {
+            r = await self.wire.post_json(f"{url}/generate", {
                 "input_ids": [w.input_ids for w in items], "sampling_params": items[0].params,
-                "return_logprob": True, **({"lora_path": items[0].lora} if items[0].lora else {})})
+                "return_logprob": True, **({"lora_path": items[0].lora} if items[0].lora else {})}, self.timeout_s)
             if 400 <= r.status_code < 500 and r.status_code != 429:
                 # which sequence is bad is not known: ask one by one, so only that caller fails
                 self.refused_batches += 1
