@@ -33,9 +33,10 @@ admission and made the ratio worse (0.64).
 3 Dec, later: the service's engine requests moved from httpx to aiohttp (~0.7 ms of CPU per
 request against 2-3 ms), and this bench's direct paths with them (until then they used httpx with
 the fleet's settings and the stdlib's JSON). The service's CPU per group fell from ~2.7 to ~2.1 ms
-but its rounds did not get shorter, while the direct paths' did: ratio 0.79 (RATIO2). A round is the
-engines' batches plus the service's serial part (preparing the sequences before the first send,
-and the answers' samples and the push after the last answer), not its CPU throughput.
+but its rounds did not get shorter, while the direct paths' did: ratio 0.79, 0.78, 0.81, 0.83;
+with a group's samples sharing one engine 0.82, 0.86, 0.81, 0.81, 0.83, 0.77, 0.81. A round is the
+engines' batches, which share the 2 cores with the service, plus the service's serial part
+(13-25 ms before the first send, 20-30 ms after the last answer), not its CPU throughput.
 """
 
 from __future__ import annotations
