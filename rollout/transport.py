@@ -150,9 +150,8 @@ class Transport:
 
     def __init__(self, http: httpx.AsyncClient, timeout_s: float, window_s: float = 0.002,
                  max_batch: int = 32) -> None:
-        self.http = http
         self.timeout_s = timeout_s
-        auth = http.headers.get("authorization")
+        auth = http.headers.get("authorization")   # only its token is used: requests go through aiohttp
         self.wire = AioHTTP({"authorization": auth} if auth else {})
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
