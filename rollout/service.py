@@ -29,6 +29,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import time
@@ -37,13 +38,14 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Literal
 
 import httpx
+import orjson
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
 from headrace.rollout.adapters import AdapterError, AdapterSync
 from headrace.rollout.data import DataSource
 from headrace.rollout.filters import load_filter
-from headrace.rollout.fleet import Fleet
+from headrace.rollout.fleet import Engine, Fleet
 from headrace.shared.procs import free_port
 from headrace.rollout.generate import EngineClient, Gate, single_turn
 from headrace.rollout.gateway import routes as gateway_routes
@@ -236,15 +238,18 @@ class RolloutService:
 
     async def engines_version(self) -> int | None:
         """The weight version every routable engine reports (/get_weight_version), if they agree on
-        an integer; on_demand batches are tagged with it when the caller does not say."""
-        seen = set()
-        for e in self.fleet.routable():
+        an integer; on_demand batches are tagged with it when the caller does not say. The engines
+        are asked at once (one round trip for a fleet of any size)."""
+
+        async def one(e: Engine) -> int | None:
             try:
-                r = await self.fleet.http.get(f"{e.url}/get_weight_version", timeout=10.0)
-                seen.add(int(r.json()["weight_version"]))
+                r = await self.fleet.wire.request("GET", f"{e.url}/get_weight_version", timeout_s=10.0)
+                return int(orjson.loads(r.content)["weight_version"])
             except (httpx.HTTPError, ValueError, KeyError, TypeError):
                 return None
-        return seen.pop() if len(seen) == 1 else None
+
+        seen = set(await asyncio.gather(*(one(e) for e in self.fleet.routable())))
+        return seen.pop() if len(seen) == 1 and None not in seen else None
 
     def status(self) -> dict[str, Any]:
         up = time.time() - self.started

@@ -145,6 +145,14 @@ class _Queue:
     timer: asyncio.TimerHandle | None = None
 
 
+def _params_key(params: dict[str, Any]) -> bytes | str:
+    """A canonical text of sampling params (keys sorted): equal params, equal key, in this process."""
+    try:
+        return orjson.dumps(params, option=orjson.OPT_SORT_KEYS, default=str)   # ~10x the stdlib's speed
+    except TypeError:   # e.g. non-string keys, which orjson refuses
+        return json.dumps(params, sort_keys=True, default=str)
+
+
 class Transport:
     """Posts /generate for one sequence at a time, coalescing concurrent ones per engine URL."""
 
@@ -172,7 +180,7 @@ class Transport:
             return await self._single(url, input_ids, params, lora)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        key = (url, json.dumps(params, sort_keys=True, default=str), lora)   # one batch, one sampling_params
+        key = (url, _params_key(params), lora)   # one batch, one sampling_params
         q = self._queues.setdefault(key, _Queue())
         q.items.append(_Waiting(input_ids, params, fut, lora))
         if len(q.items) >= self.max_batch:
