@@ -35,6 +35,13 @@ only" 43 ms; "trainer via models" 422 ms. Ingest with columns: 0.44 of the bare 
 groups/s; target 0.60: missed); in process, 320 commits of 1 MB took 3.0 s with SQLite's inline
 checkpoints and ~1.2 s without.
 
+3 Dec evening: 0.39 (file), 0.32 (--memory). Per-thread CPU per 1 MB columns request, buffer vs bare:
+the event loop ~5 ms (the body's receipt through h11 ~3 ms, as in the bare server, whose whole
+process takes 3-4 ms), the parse thread ~2.4 ms, the store's thread ~2.3 ms even in memory.
+Parsing on the loop (no thread hop) changed nothing. With ``httptools`` installed (uvicorn then uses
+it for both servers) the buffer took 9.2-10 ms a request instead of 11-12.7 ms, but the bare
+endpoint 2.1-2.9 ms: the ratio falls to ~0.25.
+
     python bench/buffer_bench.py [--rounds 3] [--requests 12] [--groups-per-request 8] [--memory]
 """
 

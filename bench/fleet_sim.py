@@ -22,6 +22,10 @@ bench prints theirs: they must not be the bottleneck).
 Each figure is also given as GPUs served at ``--gpu-tokens-per-s`` (5,000) per GPU, with groups of
 ``--n`` x ``--new-tokens`` (8 x 2,048) tokens: G = groups/s x n x new_tokens / gpu_tokens_per_s.
 
+3 Dec evening: 8 engines 213-239 GPUs (13.2-14.3 ms of service CPU per group), and 421 / 429 / 406
+GPUs with 8 / 32 / 128 engines (7.6-7.9 ms) in a fast hour of the host. Parsing the logprob
+triples with numpy (``np.fromstring`` on the bracket-stripped text) was 2x slower than orjson.
+
     python bench/fleet_sim.py [--engines 8,32,128] [--groups 256] [--rounds 3] [--new-tokens 2048]
                               [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
 

@@ -37,6 +37,13 @@ but its rounds did not get shorter, while the direct paths' did: ratio 0.79, 0.7
 with a group's samples sharing one engine 0.82, 0.86, 0.81, 0.81, 0.83, 0.77, 0.81. A round is the
 engines' batches, which share the 2 cores with the service, plus the service's serial part
 (13-25 ms before the first send, 20-30 ms after the last answer), not its CPU throughput.
+
+3 Dec evening (20 rounds): 0.899, 0.87, 0.848, 0.874, 0.856, 0.858. Traced: 10-16 ms before the first
+send (1.3-7 ms of it the engines' version read), ~10 ms after the last answer; overlapping the
+version read with the preparation measured no difference. The two engines alone, called straight
+with identical rounds, take 225-385 ms a round, and in one service round the engines' 15 decode
+steps of 128 sequences took ~9-10 ms each on one and ~12.5 ms on the other: the ratio's spread is
+mostly the engines sharing the 2 cores.
 """
 
 from __future__ import annotations
