@@ -25,6 +25,10 @@ Each figure is also given as GPUs served at ``--gpu-tokens-per-s`` (5,000) per G
 3 Dec evening: 8 engines 213-239 GPUs (13.2-14.3 ms of service CPU per group), and 421 / 429 / 406
 GPUs with 8 / 32 / 128 engines (7.6-7.9 ms) in a fast hour of the host. Parsing the logprob
 triples with numpy (``np.fromstring`` on the bracket-stripped text) was 2x slower than orjson.
+3 Dec night: 308 / 328 / 316 GPUs (9.8-10.9 ms per group). The floor of this format: orjson's parse of
+one group's answers (534 KB) takes 1.44 ms with the GC off and freeing them 0.93 ms, 2.4 ms of the
+3.3 ms that 1,000 GPUs allow; flattening the triples with ``bytes.replace`` first saved 0.26 ms and
+cost 0.97 ms. bench/RESULTS.md has every run and profile.
 
     python bench/fleet_sim.py [--engines 8,32,128] [--groups 256] [--rounds 3] [--new-tokens 2048]
                               [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
