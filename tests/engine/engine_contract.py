@@ -106,6 +106,24 @@ def _until_done(bg: Background, action: Any, every: float = 0.3, limit: float = 
         bg.thread.join(every)
 
 
+def _abort_until_done(engine: Any, bgs: list[Background], body: dict[str, Any], every: float = 0.2,
+                      limit: float = 120.0) -> None:
+    """Post ``body`` to /abort_request every ``every`` s until every request in ``bgs`` returned.
+    Each abort goes out from its own thread: on a loaded machine one abort can take seconds to be
+    answered, and a request that reached the engine after that abort looked at what was in flight
+    must not run to its end meanwhile (what waiting for each answer allowed)."""
+    deadline = time.monotonic() + limit
+    senders: list[threading.Thread] = []
+    while not all(bg.done() for bg in bgs) and time.monotonic() < deadline:
+        t = threading.Thread(target=post, args=(engine, "/abort_request", body), daemon=True)
+        t.start()
+        senders.append(t)
+        for bg in bgs:
+            bg.thread.join(every / len(bgs))
+    for t in senders:
+        t.join(30)
+
+
 def _pause_hold_continue(engine: Any, mode: str) -> None:
     first = Background(engine, input_ids=prompt_ids(20), sampling_params={"max_new_tokens": 400, "ignore_eos": True})
     try:
@@ -242,7 +260,7 @@ class EngineContract:
     def test_abort_request_by_rid_returns_partial_output(self, engine: Any) -> None:
         rid = f"contract-abort-{time.time_ns()}"
         bg = Background(engine, input_ids=prompt_ids(15), rid=rid, return_logprob=True, sampling_params=LONG)
-        _until_done(bg, lambda: post(engine, "/abort_request", {"rid": rid}))
+        _abort_until_done(engine, [bg], {"rid": rid})
         res = bg.wait()
         assert res["meta_info"]["finish_reason"]["type"] == "abort"
         assert res["meta_info"]["completion_tokens"] < LONG["max_new_tokens"]
@@ -250,16 +268,17 @@ class EngineContract:
 
     def test_abort_all(self, engine: Any) -> None:
         bgs = [Background(engine, input_ids=prompt_ids(16 + i), sampling_params=LONG) for i in range(2)]
-        for bg in bgs:
-            _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
-        assert all(bg.wait()["meta_info"]["finish_reason"]["type"] == "abort" for bg in bgs)
+        _abort_until_done(engine, bgs, {"abort_all": True})
+        metas = [bg.wait()["meta_info"] for bg in bgs]
+        assert all(m["finish_reason"]["type"] == "abort" for m in metas), \
+            [{k: m.get(k) for k in ("finish_reason", "completion_tokens")} for m in metas]
 
     def test_abort_all_on_a_batch_returns_every_partial_output(self, engine: Any) -> None:
         # the rollout's transport sends concurrent sequences as one batch request; a pause must give
         # each of them back with its own partial tokens and logprobs
         bg = Background(engine, input_ids=[prompt_ids(22), prompt_ids(23, 5)], return_logprob=True,
                         sampling_params=[LONG, dict(LONG, max_new_tokens=1700)])
-        _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
+        _abort_until_done(engine, [bg], {"abort_all": True})
         res = bg.wait()
         assert isinstance(res, list) and len(res) == 2
         # a sequence still in the waiting queue is answered without prompt_tokens (SGLang's
