@@ -39,6 +39,9 @@ def launch(
     try:
         cfg = load_config(config)
         check_full_run(cfg)
+        if cfg.rollout.engines.backend == "vllm":   # the Ray launcher places SGLang or reference engines only
+            raise ConfigError("rollout.engines.backend vllm is not supported by `headrace launch` (it places SGLang "
+                              "or reference engines on Ray); run vLLM with `headrace run` or `headrace rollout serve`")
         if dry_run and assume_gpus is not None:
             plan = make_plan(cfg, placement, assumed_nodes(assume_gpus))  # type: ignore[arg-type]
             typer.echo(json.dumps(plan.to_json(), indent=2))
@@ -52,7 +55,7 @@ def launch(
 
 
 def init_model(
-    preset: str = typer.Option(..., help="preset name: tiny-qwen2, tiny-llama, micro-qwen2, qwen2-5m, "
+    preset: str = typer.Option(..., help="preset name: tiny-qwen2, tiny-qwen2-tools, tiny-llama, micro-qwen2, qwen2-5m, "
                                          "qwen3-tiny, llama-5m, smollm2-135m"),
     out: str = typer.Option(..., help="output directory"),
     seed: int = typer.Option(0, min=0, help="seed of the random initialisation (random presets)"),
