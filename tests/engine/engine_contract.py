@@ -99,27 +99,28 @@ class Background:
 LONG = {"max_new_tokens": 1800, "ignore_eos": True}
 
 
-def _until_done(bg: Background, action: Any, every: float = 0.3, limit: float = 120.0) -> None:
+def _until_done(bgs: Background | list[Background], action: Any, every: float = 0.3, limit: float = 120.0) -> None:
+    """Run ``action`` every ``every`` s until every request in ``bgs`` returned (at most ``limit`` s)."""
+    bgs = bgs if isinstance(bgs, list) else [bgs]
     deadline = time.monotonic() + limit
-    while not bg.done() and time.monotonic() < deadline:
-        action()
-        bg.thread.join(every)
-
-
-def _abort_until_done(engine: Any, bgs: list[Background], body: dict[str, Any], every: float = 0.2,
-                      limit: float = 120.0) -> None:
-    """Post ``body`` to /abort_request every ``every`` s until every request in ``bgs`` returned.
-    Each abort goes out from its own thread: on a loaded machine one abort can take seconds to be
-    answered, and a request that reached the engine after that abort looked at what was in flight
-    must not run to its end meanwhile (what waiting for each answer allowed)."""
-    deadline = time.monotonic() + limit
-    senders: list[threading.Thread] = []
     while not all(bg.done() for bg in bgs) and time.monotonic() < deadline:
-        t = threading.Thread(target=post, args=(engine, "/abort_request", body), daemon=True)
-        t.start()
-        senders.append(t)
+        action()
         for bg in bgs:
             bg.thread.join(every / len(bgs))
+
+
+def _abort_until_done(engine: Any, bgs: list[Background], body: dict[str, Any]) -> None:
+    """``_until_done`` posting ``body`` to /abort_request every 0.2 s, each post from its own thread:
+    on a loaded machine one abort can take seconds to be answered, and a request that reached the
+    engine after that abort looked at what was in flight must not run to its end meanwhile (what
+    waiting for each answer allowed)."""
+    senders: list[threading.Thread] = []
+
+    def send() -> None:
+        senders.append(threading.Thread(target=post, args=(engine, "/abort_request", body), daemon=True))
+        senders[-1].start()
+
+    _until_done(bgs, send, every=0.2)
     for t in senders:
         t.join(30)
 
