@@ -286,7 +286,8 @@ class EngineContract:
         # tokenizer manager builds that answer itself); one that was running reports its prompt
         assert [r["meta_info"].get("prompt_tokens", p) for r, p in zip(res, (8, 5))] == [8, 5]
         for r in res:
-            assert r["meta_info"]["finish_reason"]["type"] == "abort"
+            assert r["meta_info"]["finish_reason"]["type"] == "abort", \
+                [{k: x["meta_info"].get(k) for k in ("finish_reason", "completion_tokens")} for x in res]
             assert len(r["meta_info"]["output_token_logprobs"]) == len(r["output_ids"]) == r["meta_info"]["completion_tokens"]
 
     def test_abort_all_while_retracted_answers_from_the_waiting_queue(self, engine: Any) -> None:
