@@ -30,6 +30,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
+from headrace.rollout.columns_push import check_outputs
 from headrace.rollout.gateway.openai_api import ApiError
 from headrace.rollout.gateway.recording import Segment
 from headrace.rollout.generate import RolloutContext
@@ -84,6 +85,16 @@ class Episode:
 class _Pending:
     size: int
     episodes: list[Episode] = field(default_factory=list)
+
+
+def _invalid(s: Sample, why: str) -> Sample:
+    """``s`` failed with the reason, its response dropped; its label too when that is what is invalid."""
+    fields = dict(uid=s.uid, group_id=s.group_id, tokens=[], status=SampleStatus.failed,
+                  weight_version=s.weight_version, metadata={"error": why})
+    try:
+        return Sample(label=s.label, **fields)
+    except ValidationError:
+        return Sample(**fields)
 
 
 class EpisodeStore:
@@ -185,14 +196,10 @@ class EpisodeStore:
                 s.reward = float(reward)
             else:
                 await score_sample(self.reward_fn, ep.ctx, s, self.reward_timeout_s)
-            try:
-                s = Sample.model_validate(s.model_dump())
-            except ValidationError as e:
-                s = Sample(uid=s.uid, group_id=s.group_id, tokens=[], status=SampleStatus.failed,
-                           weight_version=s.weight_version, label=ep.label,
-                           metadata={"error": f"invalid sample: {str(e)[:500]}"})
             out.append(s)
-        return out
+        # the row schema's check, as the loop checks a generator's samples (numbers in one numpy pass)
+        return [ok if ok is not None else _invalid(s, f"invalid sample: {why[:500]}")
+                for s, (ok, why) in zip(out, check_outputs(out))]
 
     async def _push_group(self, gid: str, episodes: list[Episode]) -> None:
         samples = group_samples(gid, [s for e in episodes for s in e.samples])

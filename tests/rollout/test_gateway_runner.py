@@ -81,3 +81,34 @@ def test_agent_must_be_async(tmp_path: Path) -> None:
     f.write_text("def agent(ctx, task):\n    return 1.0\n")
     with pytest.raises(ValueError, match="must be an async function"):
         load_agent(f"{f}:agent")
+
+
+def test_finish_checks_each_segment_against_the_row_schema(tiny_model: Path) -> None:
+    """A recorded segment becomes a valid sample with its reward; one whose values break the row
+    schema (a logprob above 0 here, a label that is not JSON) becomes a failed sample naming the
+    field, and the episode's other segment is kept."""
+    from headrace.rollout.gateway.recording import Segment
+
+    _, store = _runner(tiny_model, raises)
+
+    def segment(logprob: float) -> Segment:
+        seg = Segment(tokens=[5, 6, 7], prompt_length=3)
+        seg.add_completion([8, 9], [-0.5, logprob], version=2, finish="stop")
+        seg.add_context([10])
+        return seg
+
+    async def finish(label: Any, logprobs: tuple[float, float]) -> list:
+        ep, _ = store.open(label=label, managed=False)
+        ep.segments = [segment(logprobs[0]), segment(logprobs[1])]
+        ep.segments[1].logprobs[-2] = logprobs[1]   # past add_completion's clamp: as if recorded wrong
+        return (await store.finish(ep, reward=1.0)).samples
+
+    good = asyncio.run(finish("2", (-0.1, -0.2)))
+    assert [s.status for s in good] == ["completed", "completed"] and [s.reward for s in good] == [1.0, 1.0]
+    assert good[0].loss_mask == [1, 1, 0] and good[0].rollout_logprobs == [-0.5, -0.1, 0.0]
+    assert good[1].metadata["segment"] == 1 and good[0].weight_version == 2
+    bad = asyncio.run(finish("2", (-0.1, 0.5)))
+    assert bad[0].status == "completed" and bad[1].status == "failed"
+    assert "invalid sample" in bad[1].metadata["error"] and "rollout_logprobs" in bad[1].metadata["error"]
+    not_json = asyncio.run(finish({1, 2}, (-0.1, -0.2)))
+    assert all(s.status == "failed" and "label" in s.metadata["error"] for s in not_json), not_json[0].metadata
