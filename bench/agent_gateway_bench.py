@@ -48,6 +48,14 @@ loop. ``--py-spy PREFIX`` records both services.
 engine as one request of 32 sequences on both paths (``sequences_per_engine_request``), so a
 call's time is about the engine's batch time plus ~16 calls' service CPU; in a 50-round py-spy
 profile the SDK is ~54% of the gateway service's busy samples and the gateway's route ~11%.
+4 Dec: ``rollout/gateway/sdk_params.py`` answers the SDK's params transform for plain JSON params
+(the SDK's ``create`` in isolation: ~680 -> ~450 us), and an episode's samples are checked with
+``check_outputs`` instead of a pydantic dump / validate round trip. Service CPU per gateway call
+1.16-1.68 ms (was 1.63-1.67) against 0.41-0.60 for ``ctx.generate``; ratio over eight 40-round
+runs 1.067-1.214, median 1.12 (five at or under 1.15), over nine 20-round runs 1.055-1.216,
+median 1.13. In-process with a fake engine an episode of one call costs ~0.9 ms of CPU, about half
+of it the SDK (building the request ~0.2 ms, parsing the answer into its models ~0.15 ms, both
+inside ``openai`` / ``httpx2``), the other half the gateway's route, recording and episode.
 ``--external`` (two runs, load 10-13, before these changes): 3.5x and 5.0x; each external episode
 also pays its open and finish requests, a TCP connection and the server's HTTP handling, and the
 bench process competes for the same 2 cores.
