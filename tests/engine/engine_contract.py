@@ -133,7 +133,7 @@ def _aborted(engine: Any, start: Any, body: dict[str, Any], attempts: int = 3) -
     0.2 s were all answered only after the generation ended (4 Dec), so the abort lost the race
     without being broken. An abort that is answered wrongly fails at once; only a lost race is
     tried again."""
-    for attempt in range(attempts):
+    for _ in range(attempts):
         bgs = start()
         _abort_until_done(engine, bgs, body)
         answers = [bg.wait() for bg in bgs]
