@@ -9,6 +9,11 @@ Guarantees:
 - ``BodyLimit`` answers 413 to a request whose body exceeds ``max_bytes`` (by Content-Length at
   once, or while counting a chunked body) before the app sees it; the app gets the body replayed
   and later ``receive()`` calls (disconnect detection) pass through.
+- ``keep_freed_memory()`` (glibc only; elsewhere it does nothing and says so) makes ``malloc``
+  serve blocks below 32 MiB from the heap and keep up to 128 MiB of freed heap: a service that
+  receives MB-sized bodies then reuses memory instead of mapping fresh zeroed pages for every body
+  (glibc's default maps each block over 128 KiB anew; the buffer's 1 MB ingest spent ~1 ms a
+  request in those page faults). The process's resident size may stay up to that much higher.
 - ``watch_parent(pid)`` sends this process SIGTERM (so the deadline above applies) once its parent
   is no longer ``pid``: a launcher killed with SIGKILL leaves no engine behind.
 Nothing here imports torch.
@@ -16,6 +21,8 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -64,6 +71,24 @@ def serve(app: Any, host: str, port: int, *, log_level: str = "warning", name: s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=graceful_s, **uvicorn_kw)
     Server(config).run()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 128 << 20) -> bool:
+    """Set glibc's ``M_MMAP_THRESHOLD`` and ``M_TRIM_THRESHOLD`` for this process (see the module
+    docstring); True when both took effect, False where there is no glibc ``mallopt``."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        gnu = libc.gnu_get_libc_version   # musl and macOS have no such function: leave their malloc alone
+    except (OSError, AttributeError):
+        log.debug("no glibc mallopt here: the allocator keeps its defaults")
+        return False
+    del gnu
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 
 
 def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:

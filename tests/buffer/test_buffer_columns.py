@@ -131,6 +131,31 @@ def test_bad_columns_are_422_and_store_nothing(buf: tuple[str, Path], name: str,
     assert post_columns(url, C.encode(groups)).json()["accepted"] == 3
 
 
+def test_large_column_bodies_take_the_worker_thread_alike(buf: tuple[str, Path]) -> None:
+    """A column body over ``INLINE_PARSE_BYTES`` is checked on a worker thread instead of the event
+    loop: the same 422 (nothing stored), the same acceptance."""
+    from headrace.buffer.app import INLINE_PARSE_BYTES
+
+    url, _ = buf
+    drain(url)
+    groups = [make_group(f"big-{i}", n=8, prompt=16, response=20_000) for i in range(4)]
+    body = C.encode(groups)
+    assert len(body) > INLINE_PARSE_BYTES
+    m = msgpack.unpackb(body, raw=False)
+    _poke(m, "rollout_logprobs", "<f4", 3 * 8 * 20_000 + 5, np.nan)
+    before = stats(url)
+    r = post_columns(url, msgpack.packb(m, use_bin_type=True))
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"].startswith("groups[3].samples[0].rollout_logprobs[5]: Input should be a finite number")
+    assert stats(url)["queued"] == before["queued"] and stats(url)["rejected"] == before["rejected"] + 4
+    r = post_columns(url, body)
+    assert r.status_code == 200 and r.json()["accepted"] == 4
+    got = lease(url, 4, C.COLUMNS)
+    cols, top = C.decode(got.content, ("lease_id", "expires_at"))
+    assert cols.to_rows() == [full(g) for g in groups]
+    ack(url, top["lease_id"])
+
+
 def test_lease_request_is_not_columns(buf: tuple[str, Path]) -> None:
     url, _ = buf
     r = httpx.post(url + "/v1/leases", content=C.encode([make_group("x")]), headers={**AUTH, "content-type": C.COLUMNS})
