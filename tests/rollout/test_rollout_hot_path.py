@@ -114,6 +114,65 @@ def test_a_good_answer_passes_and_rounding_above_zero_is_clamped() -> None:
     assert check_answer(_answer([], []), "http://e")["output_ids"] == []
 
 
+_VALUES = [0, 1, 7, -1, 2**31 - 1, 2**31, 2**70, 2.5, -0.0, 0.0, -0.1, -3.25, 5e-7, 1e-5, 0.5, -1e308,
+           float("nan"), float("inf"), float("-inf"), True, False, None, "x", [], [-0.1], {}]
+
+
+def _entries(draw: object, n: int) -> list:
+    from hypothesis import strategies as st
+    value = st.sampled_from(_VALUES)
+    entry = st.one_of(st.builds(lambda lp, t: [lp, t, None], value, value), value, st.just([]))
+    return draw(st.lists(entry, min_size=n, max_size=n))  # type: ignore[operator]
+
+
+def _outcome(out: dict) -> object:
+    import copy
+
+    from headrace.rollout import transport
+    try:
+        a = transport.check_answer(copy.deepcopy(out), "http://e")
+    except Retryable as e:
+        return ("error", str(e))
+    return ("ok", a["output_ids"], repr(a["meta_info"]["output_token_logprobs"]), repr(logprobs_of(a)))
+
+
+def test_short_answers_are_judged_exactly_as_the_numpy_path_judges_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_answer`` tries a plain-Python pass on answers of a few tokens; whatever it is given,
+    the outcome (checked lists, clamping, or the error and its wording) is the numpy path's."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from headrace.rollout import transport
+
+    @st.composite
+    def answers(draw: st.DrawFn) -> dict:
+        n = draw(st.integers(0, 6))
+        pool = draw(st.sampled_from([st.integers(0, 5000), st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, True]),
+                                     st.sampled_from(_VALUES)]))
+        ids = draw(st.lists(pool, min_size=n, max_size=n))
+        if draw(st.booleans()):
+            lps = [[draw(st.floats(max_value=0.0, allow_nan=False)), t, None] for t in ids]
+        else:
+            lps = _entries(draw, n)
+        return {"text": "", "output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"},
+                                                            "output_token_logprobs": lps}}
+
+    short = transport._SHORT_ANSWER
+    seen = {"ok": 0, "error": 0}
+
+    @settings(max_examples=600, deadline=None, database=None)
+    @given(answers())
+    def same(out: dict) -> None:
+        monkeypatch.setattr(transport, "_SHORT_ANSWER", short)
+        fast = _outcome(out)
+        monkeypatch.setattr(transport, "_SHORT_ANSWER", -1)   # every answer through numpy
+        assert fast == _outcome(out)
+        seen[fast[0]] += 1
+
+    same()
+    assert seen["ok"] > 20 and seen["error"] > 20, seen   # both outcomes were exercised
+
+
 def _group(gid: str, n: int = 3, **kw: object) -> Group:
     samples = []
     for i in range(n):
