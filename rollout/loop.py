@@ -36,7 +36,7 @@ from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn
 from headrace.rollout.pusher import Pusher
-from headrace.rollout.rewards import RewardFn, score_sample
+from headrace.rollout.rewards import RewardFn, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.schemas import Group, Sample, SampleStatus
@@ -156,8 +156,11 @@ class RolloutLoop:
         for (ctx, _, _), s in zip(flat, samples):
             s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
             if s.status != SampleStatus.failed.value:
-                scoring.append(score_sample(self.reward_fn, ctx, s, self.rc.reward_timeout_s))
-        await asyncio.gather(*scoring)
+                pending = score_now(self.reward_fn, ctx, s, self.rc.reward_timeout_s)
+                if pending is not None:   # an async reward: those of the group run concurrently
+                    scoring.append(pending)
+        if scoring:
+            await asyncio.gather(*scoring)
         return samples
 
     async def _sample(self, base: Sample, sampling: dict[str, Any]) -> list[Sample]:

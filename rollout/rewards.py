@@ -126,13 +126,41 @@ def load_reward(spec: str) -> RewardFn:
 
 async def score_sample(fn: RewardFn, ctx: "RolloutContext", sample: Sample, timeout_s: float) -> Sample:
     """Set ``sample.reward`` (or mark it failed); never raises for a plugin's fault."""
+    pending = score_now(fn, ctx, sample, timeout_s)
+    if pending is not None:
+        await pending
+    return sample
+
+
+def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample, timeout_s: float) -> "Awaitable[None] | None":
+    """``score_sample`` without a task when it can: a reward function that answers at once (a plain
+    ``def``, as the built-ins but ``remote``) is applied here and None is returned; an awaitable
+    answer is returned wrapped, to be awaited (with ``timeout_s``) for the same outcome."""
     if sample.status == SampleStatus.failed.value:
         sample.reward = None
-        return sample
+        return None
     try:
         out = fn(ctx, sample)
-        if inspect.isawaitable(out):
-            out = await asyncio.wait_for(out, timeout_s)
+    except Exception as e:  # noqa: BLE001 - a reward fault fails the sample, never the loop
+        _reward_failed(ctx, sample, e)
+        return None
+    if inspect.isawaitable(out):
+        return _score_later(out, ctx, sample, timeout_s)
+    _apply_reward(out, ctx, sample)
+    return None
+
+
+async def _score_later(out: Awaitable[Any], ctx: "RolloutContext", sample: Sample, timeout_s: float) -> None:
+    try:
+        value = await asyncio.wait_for(out, timeout_s)
+    except Exception as e:  # noqa: BLE001 - a reward fault fails the sample, never the loop
+        _reward_failed(ctx, sample, e)
+        return
+    _apply_reward(value, ctx, sample)
+
+
+def _apply_reward(out: Any, ctx: "RolloutContext", sample: Sample) -> None:
+    try:
         extra: dict[str, float] = {}
         if isinstance(out, dict):
             if "reward" not in out:
@@ -148,8 +176,11 @@ async def score_sample(fn: RewardFn, ctx: "RolloutContext", sample: Sample, time
         if extra:
             sample.metadata["rewards"] = extra
     except Exception as e:  # noqa: BLE001 - a reward fault fails the sample, never the loop
-        sample.status = SampleStatus.failed.value
-        sample.reward = None
-        sample.metadata["error"] = f"reward: {type(e).__name__}: {e}"
-        ctx.logger.warning("reward failed for %s: %s: %s", sample.uid, type(e).__name__, e)
-    return sample
+        _reward_failed(ctx, sample, e)
+
+
+def _reward_failed(ctx: "RolloutContext", sample: Sample, e: BaseException) -> None:
+    sample.status = SampleStatus.failed.value
+    sample.reward = None
+    sample.metadata["error"] = f"reward: {type(e).__name__}: {e}"
+    ctx.logger.warning("reward failed for %s: %s: %s", sample.uid, type(e).__name__, e)
