@@ -189,7 +189,9 @@ class RolloutLoop:
             shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
             samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
         for i, s in enumerate(samples):  # generators may return several samples: renumber
-            s.index, s.uid, s.group_id = i, f"{gid}-{i}", gid
+            uid = f"{gid}-{i}"
+            if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)
+                s.index, s.uid, s.group_id = i, uid, gid
         self.counts["samples"] += len(samples)
         self.counts["samples_failed"] += sum(s.status == SampleStatus.failed.value for s in samples)
         if all(s.status == SampleStatus.failed.value for s in samples):
