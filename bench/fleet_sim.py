@@ -28,7 +28,8 @@ triples with numpy (``np.fromstring`` on the bracket-stripped text) was 2x slowe
 3 Dec night: 308 / 328 / 316 GPUs (9.8-10.9 ms per group). The floor of this format: orjson's parse of
 one group's answers (534 KB) takes 1.44 ms with the GC off and freeing them 0.93 ms, 2.4 ms of the
 3.3 ms that 1,000 GPUs allow; flattening the triples with ``bytes.replace`` first saved 0.26 ms and
-cost 0.97 ms. bench/RESULTS.md has every run and profile.
+cost 0.97 ms. 4 Dec: 408 / 393 / 426 GPUs (7.7-8.0 ms per group), buffer 3,595 GPUs (1,097 groups/s);
+at 16 tokens with 2 engines 0.63 ms of service CPU per group. bench/RESULTS.md has every run and profile.
 
     python bench/fleet_sim.py [--engines 8,32,128] [--groups 256] [--rounds 3] [--new-tokens 2048]
                               [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
