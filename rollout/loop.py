@@ -14,6 +14,10 @@ Guarantees:
   engine answers the transport checked (``transport.check_answer``); its other fields are.
 - Each generator call gets its own copy of the prompt sample (fresh lists and free-form
   containers): a generator that mutates its input cannot reach another sample.
+- Rewards: an async reward function runs concurrently with the others of its group, each bounded
+  by ``rollout.reward_timeout_s``; a plain ``def`` (the built-ins but ``remote``) is applied inline,
+  no task per sample, and the event loop gets a turn between samples once they have held it
+  ``REWARD_SLICE_S``. A reward's fault fails its sample only (``rewards.score_now``).
 - Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
   context tracks it across partial-rollout resumes and multi-turn calls).
 - Continuous mode admits a new group only while buffer (queued + leased) + groups in flight here
@@ -43,6 +47,7 @@ from headrace.shared.schemas import Group, Sample, SampleStatus
 from headrace.shared.staleness import admission_cap
 
 log = logging.getLogger("headrace.rollout")
+REWARD_SLICE_S = 0.002  # plain (sync) rewards run inline; after this long the loop gets a turn between samples
 
 # (context, the prompt sample, what the generator returned, whether those samples' numeric lists
 # are valid by construction: the default generator's, from checked engine answers)
@@ -153,12 +158,16 @@ class RolloutLoop:
         for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo], [built[k] for k, _ in todo])):
             samples[k] = ok if ok is not None else failed(flat[k][1], f"generator produced an invalid sample: {why}")
         scoring = []
+        since = time.perf_counter()
         for (ctx, _, _), s in zip(flat, samples):
             s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
             if s.status != SampleStatus.failed.value:
                 pending = score_now(self.reward_fn, ctx, s, self.rc.reward_timeout_s)
                 if pending is not None:   # an async reward: those of the group run concurrently
                     scoring.append(pending)
+                elif time.perf_counter() - since > REWARD_SLICE_S:   # slow plain rewards: let the loop in
+                    await asyncio.sleep(0)
+                    since = time.perf_counter()
         if scoring:
             await asyncio.gather(*scoring)
         return samples

@@ -245,3 +245,67 @@ def test_invalid_samples_fail_with_the_schemas_message_and_mutations_stay_local(
     assert by[2].status == "failed" and "rollout_logprobs" in by[2].metadata["error"]
     assert by[1].tokens == by[2].tokens == prompt and by[1].label == {"answer": "0"}   # the untouched prompt sample
     assert s.status()["counts"]["samples_failed"] == 2
+
+
+def test_plain_rewards_run_inline_yet_the_loop_gets_turns_and_async_ones_overlap() -> None:
+    """``RolloutLoop._finish`` (the real method, on a loop object holding only what it reads):
+    plain rewards are applied inline, and a slow one still lets the event loop run between
+    samples; async rewards of a group run concurrently; failures stay per sample."""
+    import asyncio
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from headrace.rollout.generate import Gate, RolloutContext
+    from headrace.rollout.loop import REWARD_SLICE_S, RolloutLoop
+
+    def busy(ctx: object, s: Sample) -> float:   # a plain reward that holds the loop ~2 slices
+        t = time.perf_counter()
+        while time.perf_counter() - t < 2 * REWARD_SLICE_S:
+            pass
+        return 1.0
+
+    active = peak = 0
+
+    async def slow_async(ctx: object, s: Sample) -> float:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.05)
+        active -= 1
+        return 0.5
+
+    def crash_on_second(ctx: object, s: Sample) -> float:
+        if s.uid.endswith("-1"):
+            raise RuntimeError("boom")
+        return 2.0
+
+    async def finish(reward: object, n: int) -> tuple[list[Sample], int]:
+        loop = RolloutLoop.__new__(RolloutLoop)
+        loop.reward_fn, loop.rc, loop.gate = reward, SimpleNamespace(reward_timeout_s=10.0), Gate(version=3)
+        made = []
+        for i in range(n):
+            s = _sample(uid=f"g-{i}", index=i)
+            made.append((RolloutContext(None, None, None, logging.getLogger("t")), s, [s], True))
+        turns = 0
+
+        async def tick() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        out = await loop._finish(made)
+        ticker.cancel()
+        return out, turns
+
+    out, turns = asyncio.run(finish(busy, 8))
+    assert [s.reward for s in out] == [1.0] * 8 and all(s.weight_version == 3 for s in out)
+    assert turns >= 4, f"the event loop ran {turns} times while 8 slow plain rewards ran"
+    out, _ = asyncio.run(finish(slow_async, 8))
+    assert [s.reward for s in out] == [0.5] * 8 and peak == 8   # all of the group's async rewards at once
+    out, _ = asyncio.run(finish(crash_on_second, 3))
+    assert [s.reward for s in out] == [2.0, None, 2.0] and out[1].status == "failed"
+    assert "reward: RuntimeError: boom" in out[1].metadata["error"]
