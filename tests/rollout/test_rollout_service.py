@@ -139,7 +139,8 @@ def test_reasoning_gym_task_source_reward_and_evaluate(tmp_path: Path, tiny_mode
                  "task_config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
         "n_samples_per_prompt": 3, "mode": "on_demand", "reward": "reasoning_gym_binary",
         "sampling": {"max_new_tokens": 4}}).start()
-    assert s.post("/v1/generate_batch", {"groups": 2}).json()["groups"] == 2
+    r = s.post("/v1/generate_batch", {"groups": 2})
+    assert r.status_code == 200 and r.json()["groups"] == 2, (r.status_code, r.text)
     for g in s.lease_all():
         for x in g.samples:
             assert x.label["task"] == "chain_sum" and x.reward in (0.0, 1.0) and x.status != "failed"
@@ -185,7 +186,8 @@ def test_shipped_examples_run_in_the_service(tmp_path: Path, tiny_model, stacks)
         "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 12},
         "generate": f"{REPO}/examples/calculator_generator.py:generate",
         "reward": f"{REPO}/examples/custom_reward.py:reward"}).start()
-    assert s.post("/v1/generate_batch", {"groups": 2}).json()["groups"] == 2
+    r = s.post("/v1/generate_batch", {"groups": 2})
+    assert r.status_code == 200 and r.json()["groups"] == 2, (r.status_code, r.text)
     for g in s.lease_all():
         for x in g.samples:
             assert x.status in ("completed", "truncated") and 1 <= x.response_length <= 12
