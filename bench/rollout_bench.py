@@ -50,11 +50,12 @@ plain Python when they are plainly valid (22 -> 4 us for 16 tokens; numpy's fixe
 a reward function that answers at once is applied inline instead of through a task per sample,
 and a group's samples are renumbered only where they differ. fleet_sim at 16 tokens, 2 engines,
 service CPU per group in alternating runs: 0.86 / 0.73 / 0.63 ms after against 0.85 / 1.14 / 0.92
-ms before. This script (20 rounds): with the old code 0.827, 0.894, 0.79, 0.841, 0.86, 0.838,
-0.854 (median 0.841); with all three changes 0.906, 0.857, 0.926, 0.924, 0.971, 0.921, 0.815,
-0.821 (median 0.914, five of eight at or above 0.90). In three pairs of back-to-back runs (old
-code, then new) the new minus the old was +0.06, -0.02, -0.03: the gain is not shown beyond this
-machine's noise.
+ms before. This script (20 rounds), all runs of the day: with the old code 0.827, 0.894, 0.79,
+0.841, 0.86, 0.838, 0.854, 0.882, 0.819, 0.833 (median 0.840); with the changes 0.879, 0.852, 0.884
+(the first two), then 0.906, 0.857, 0.926, 0.924, 0.971, 0.921, 0.815, 0.821, 0.85, 0.767, 0.872,
+0.884, 0.904, 0.907, 0.802 (all three: median 0.884, seven of fifteen at or above 0.90). In six
+pairs of back-to-back runs (old, then new) the new minus the old was +0.06, -0.02, -0.03, +0.02,
++0.09, -0.03: the gain is not shown beyond this machine's noise, and the target is still missed.
 """
 
 from __future__ import annotations
