@@ -17,7 +17,8 @@ Guarantees:
 - Rewards: an async reward function runs concurrently with the others of its group, each bounded
   by ``rollout.reward_timeout_s``; a plain ``def`` (the built-ins but ``remote``) is applied inline,
   no task per sample, and the event loop gets a turn between samples once they have held it
-  ``REWARD_SLICE_S``. A reward's fault fails its sample only (``rewards.score_now``).
+  ``REWARD_SLICE_S``. A reward's fault fails its sample only (``rewards.score_now`` /
+  ``score_later``).
 - Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
   context tracks it across partial-rollout resumes and multi-turn calls).
 - Continuous mode admits a new group only while buffer (queued + leased) + groups in flight here
@@ -40,7 +41,7 @@ from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn
 from headrace.rollout.pusher import Pusher
-from headrace.rollout.rewards import RewardFn, score_now
+from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.schemas import Group, Sample, SampleStatus
@@ -157,19 +158,25 @@ class RolloutLoop:
         samples = [s for _, _, s in flat]
         for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo], [built[k] for k, _ in todo])):
             samples[k] = ok if ok is not None else failed(flat[k][1], f"generator produced an invalid sample: {why}")
-        scoring = []
+        scoring: list[Any] = []
         since = time.perf_counter()
-        for (ctx, _, _), s in zip(flat, samples):
-            s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-            if s.status != SampleStatus.failed.value:
-                pending = score_now(self.reward_fn, ctx, s, self.rc.reward_timeout_s)
-                if pending is not None:   # an async reward: those of the group run concurrently
-                    scoring.append(pending)
-                elif time.perf_counter() - since > REWARD_SLICE_S:   # slow plain rewards: let the loop in
-                    await asyncio.sleep(0)
-                    since = time.perf_counter()
+        try:
+            for (ctx, _, _), s in zip(flat, samples):
+                s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                if s.status != SampleStatus.failed.value:
+                    pending = score_now(self.reward_fn, ctx, s)
+                    if pending is not None:   # an async reward: those of the group run concurrently
+                        scoring.append((pending, ctx, s))
+                    elif time.perf_counter() - since > REWARD_SLICE_S:   # slow plain rewards: let the loop in
+                        await asyncio.sleep(0)
+                        since = time.perf_counter()
+        except asyncio.CancelledError:
+            for pending, _, _ in scoring:   # cancelled while yielding: these will never be awaited
+                drop(pending)
+            raise
         if scoring:
-            await asyncio.gather(*scoring)
+            timeout = self.rc.reward_timeout_s
+            await asyncio.gather(*(score_later(p, ctx, s, timeout) for p, ctx, s in scoring))
         return samples
 
     async def _sample(self, base: Sample, sampling: dict[str, Any]) -> list[Sample]:

@@ -126,16 +126,16 @@ def load_reward(spec: str) -> RewardFn:
 
 async def score_sample(fn: RewardFn, ctx: "RolloutContext", sample: Sample, timeout_s: float) -> Sample:
     """Set ``sample.reward`` (or mark it failed); never raises for a plugin's fault."""
-    pending = score_now(fn, ctx, sample, timeout_s)
+    pending = score_now(fn, ctx, sample)
     if pending is not None:
-        await pending
+        await score_later(pending, ctx, sample, timeout_s)
     return sample
 
 
-def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample, timeout_s: float) -> "Awaitable[None] | None":
+def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample) -> Awaitable[Any] | None:
     """``score_sample`` without a task when it can: a reward function that answers at once (a plain
     ``def``, as the built-ins but ``remote``) is applied here and None is returned; an awaitable
-    answer is returned wrapped, to be awaited (with ``timeout_s``) for the same outcome."""
+    answer is returned as it is, for ``score_later`` to finish with the same outcome."""
     if sample.status == SampleStatus.failed.value:
         sample.reward = None
         return None
@@ -145,18 +145,27 @@ def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample, timeout_s: fl
         _reward_failed(ctx, sample, e)
         return None
     if inspect.isawaitable(out):
-        return _score_later(out, ctx, sample, timeout_s)
+        return out
     _apply_reward(out, ctx, sample)
     return None
 
 
-async def _score_later(out: Awaitable[Any], ctx: "RolloutContext", sample: Sample, timeout_s: float) -> None:
+async def score_later(out: Awaitable[Any], ctx: "RolloutContext", sample: Sample, timeout_s: float) -> None:
+    """Await what ``score_now`` returned (at most ``timeout_s``) and apply it, as ``score_sample``."""
     try:
         value = await asyncio.wait_for(out, timeout_s)
     except Exception as e:  # noqa: BLE001 - a reward fault fails the sample, never the loop
         _reward_failed(ctx, sample, e)
         return
     _apply_reward(value, ctx, sample)
+
+
+def drop(pending: Awaitable[Any]) -> None:
+    """Discard an awaitable ``score_now`` returned that will not be awaited (no warning, no task)."""
+    if inspect.iscoroutine(pending):
+        pending.close()
+    elif asyncio.isfuture(pending):
+        pending.cancel()
 
 
 def _apply_reward(out: Any, ctx: "RolloutContext", sample: Sample) -> None:

@@ -81,12 +81,11 @@ def keep_freed_memory(mmap_threshold: int = 32 << 20, trim_threshold: int = 128 
     docstring); True when both took effect, False where there is no glibc ``mallopt``."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version   # only glibc has it: musl's and macOS's allocators are left alone
         mallopt = libc.mallopt
-        gnu = libc.gnu_get_libc_version   # musl and macOS have no such function: leave their malloc alone
     except (OSError, AttributeError):
         log.debug("no glibc mallopt here: the allocator keeps its defaults")
         return False
-    del gnu
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
 

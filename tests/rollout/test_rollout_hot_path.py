@@ -247,22 +247,40 @@ def test_invalid_samples_fail_with_the_schemas_message_and_mutations_stay_local(
     assert s.status()["counts"]["samples_failed"] == 2
 
 
+def _finishing(reward: object, n: int) -> tuple[object, list]:
+    """A ``RolloutLoop`` holding only what ``_finish`` reads, and ``n`` generated samples for it."""
+    import logging
+    from types import SimpleNamespace
+
+    from headrace.rollout.generate import Gate, RolloutContext
+    from headrace.rollout.loop import RolloutLoop
+
+    loop = RolloutLoop.__new__(RolloutLoop)
+    loop.reward_fn, loop.rc, loop.gate = reward, SimpleNamespace(reward_timeout_s=10.0), Gate(version=3)
+    made = []
+    for i in range(n):
+        s = _sample(uid=f"g-{i}", index=i)
+        made.append((RolloutContext(None, None, None, logging.getLogger("t")), s, [s], True))
+    return loop, made
+
+
+def _busy(slices: float) -> None:
+    import time
+
+    from headrace.rollout.loop import REWARD_SLICE_S
+    t = time.perf_counter()
+    while time.perf_counter() - t < slices * REWARD_SLICE_S:
+        pass
+
+
 def test_plain_rewards_run_inline_yet_the_loop_gets_turns_and_async_ones_overlap() -> None:
     """``RolloutLoop._finish`` (the real method, on a loop object holding only what it reads):
     plain rewards are applied inline, and a slow one still lets the event loop run between
     samples; async rewards of a group run concurrently; failures stay per sample."""
     import asyncio
-    import logging
-    import time
-    from types import SimpleNamespace
-
-    from headrace.rollout.generate import Gate, RolloutContext
-    from headrace.rollout.loop import REWARD_SLICE_S, RolloutLoop
 
     def busy(ctx: object, s: Sample) -> float:   # a plain reward that holds the loop ~2 slices
-        t = time.perf_counter()
-        while time.perf_counter() - t < 2 * REWARD_SLICE_S:
-            pass
+        _busy(2)
         return 1.0
 
     active = peak = 0
@@ -281,12 +299,7 @@ def test_plain_rewards_run_inline_yet_the_loop_gets_turns_and_async_ones_overlap
         return 2.0
 
     async def finish(reward: object, n: int) -> tuple[list[Sample], int]:
-        loop = RolloutLoop.__new__(RolloutLoop)
-        loop.reward_fn, loop.rc, loop.gate = reward, SimpleNamespace(reward_timeout_s=10.0), Gate(version=3)
-        made = []
-        for i in range(n):
-            s = _sample(uid=f"g-{i}", index=i)
-            made.append((RolloutContext(None, None, None, logging.getLogger("t")), s, [s], True))
+        loop, made = _finishing(reward, n)
         turns = 0
 
         async def tick() -> None:
@@ -309,3 +322,37 @@ def test_plain_rewards_run_inline_yet_the_loop_gets_turns_and_async_ones_overlap
     out, _ = asyncio.run(finish(crash_on_second, 3))
     assert [s.reward for s in out] == [2.0, None, 2.0] and out[1].status == "failed"
     assert "reward: RuntimeError: boom" in out[1].metadata["error"]
+
+
+def test_a_finish_cancelled_between_rewards_leaves_no_reward_unawaited() -> None:
+    """Cancelled while a slow plain reward let the loop in, ``_finish`` discards the async rewards
+    it had not started: they never run and no "coroutine was never awaited" warning is left."""
+    import asyncio
+    import gc
+    import warnings
+
+    ran = []
+
+    async def later() -> float:
+        ran.append(1)
+        return 1.0
+
+    def mixed(ctx: object, s: Sample) -> object:   # sample 0 async, the others plain and slow
+        if s.index == 0:
+            return later()
+        _busy(2)
+        return 1.0
+
+    async def main() -> None:
+        loop, made = _finishing(mixed, 4)
+        task = asyncio.create_task(loop._finish(made))
+        await asyncio.sleep(0)    # _finish runs up to its first turn for the loop (after sample 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        gc.collect()
+    assert ran == [] and not [w for w in caught if "never awaited" in str(w.message)], caught
