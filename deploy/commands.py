@@ -39,9 +39,9 @@ def launch(
     try:
         cfg = load_config(config)
         check_full_run(cfg)
-        if cfg.rollout.engines.backend == "vllm":   # the Ray launcher places SGLang or reference engines only
-            raise ConfigError("rollout.engines.backend vllm is not supported by `headrace launch` (it places SGLang "
-                              "or reference engines on Ray); run vLLM with `headrace run` or `headrace rollout serve`")
+        from headrace.deploy.ray_launch import check_launchable
+
+        check_launchable(cfg)
         if dry_run and assume_gpus is not None:
             plan = make_plan(cfg, placement, assumed_nodes(assume_gpus))  # type: ignore[arg-type]
             typer.echo(json.dumps(plan.to_json(), indent=2))

@@ -7,7 +7,11 @@ only pins it to its resources and owns its process:
 
 - buffer and rollout service: CPU-only actors pinned to the driver's node;
 - engines: one actor per engine, on the bundle of its TP rank 0, with CUDA_VISIBLE_DEVICES set to
-  the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL;
+  the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL. For
+  ``backend: vllm`` the actor runs Headrace's SGLang-API adapter (``rollout.vllm_backend``), which
+  launches vLLM from ``engines.python`` inside the adapter's process group (with a parent-death
+  signal), so stopping the actor's process group ends both; ``check_launchable`` refuses by key what launch cannot place (backend external, vLLM
+  ``urls``, vLLM without ``engines.python``);
 - trainer: one actor per rank on its bundle, torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR =
   rank 0's node, MASTER_PORT); ``headrace train`` runs that single rank. On several nodes the
   engines join the weight-sync group at rank 0's node (``trainer.sync_address``).
@@ -33,7 +37,7 @@ from typing import Any
 
 from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
 from headrace.shared.auth import bind_refusal, module_argv, token_env
-from headrace.shared.config import HeadraceConfig, rollout_mode, save_config
+from headrace.shared.config import ConfigError, HeadraceConfig, rollout_mode, save_config
 from headrace.shared.procs import free_port, stop_group, wait_http
 
 CPUS_PER_BUNDLE = 1
@@ -92,8 +96,26 @@ def _wait_http(url: str, actor: Any, timeout_s: float) -> None:
         raise TimeoutError(f"{e}:\n{ray.get(actor.tail.remote())}") from None
 
 
+def check_launchable(cfg: HeadraceConfig) -> None:
+    """``ConfigError`` naming the key when ``headrace launch`` cannot place these engines."""
+    eng = cfg.rollout.engines
+    if eng.backend == "external":
+        raise ConfigError("rollout.engines.backend external: `headrace launch` places its own engines; attach to "
+                          "running ones with `headrace run` or `headrace rollout serve` instead")
+    if eng.backend == "vllm" and eng.urls:
+        raise ConfigError("rollout.engines.urls with backend vllm: `headrace launch` places its own vLLM servers "
+                          "on the GPUs it reserves; drop the urls (or attach to them with `headrace rollout serve`)")
+    if eng.backend == "vllm" and not eng.python:
+        raise ConfigError("rollout.engines.python: backend vllm needs the python of the vLLM venv on every node "
+                          "(`make vllm-venv` builds .venv-vllm/bin/python)")
+
+
 def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
     eng = cfg.rollout.engines
+    if eng.backend == "vllm":   # the SGLang-API adapter, which launches vLLM inside its own process group
+        return [sys.executable, "-m", "headrace.rollout.vllm_backend", "--model", cfg.model, "--host", host,
+                "--port", str(port), "--startup-timeout-s", str(eng.startup_timeout_s),
+                "--python", str(eng.python), "--", *eng.args]
     if eng.backend == "sglang":   # --api-key is added from the child's HEADRACE_TOKEN, not on its command line
         python = eng.python or sys.executable
         return module_argv(python, "sglang.launch_server", ["--model-path", cfg.model, "--host", host, "--port", str(port),
@@ -107,6 +129,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+    check_launchable(cfg)
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False, log_to_driver=False)
     plan: Plan = make_plan(cfg, placement, ray_nodes())

@@ -128,6 +128,13 @@ class EnginesConfig(_Section):
     router_port: int | None = Field(default=None, ge=1024, le=65535, description="TCP port of sglang-router "
                                     "(router sglang); default a free port")
 
+    @model_validator(mode="after")
+    def _vllm_is_single_gpu(self) -> "EnginesConfig":
+        if self.backend == "vllm" and self.tp > 1:   # the adapter reports tp_size 1; weight sync would use tp ranks
+            raise ValueError(f"tp {self.tp} with backend vllm: each vLLM engine here is one GPU (its SGLang-API "
+                             "adapter and weight sync serve tensor-parallel size 1); set tp: 1 and count: N")
+        return self
+
 
 class ShardConfig(_Section):
     """This rollout service's share of the prompts when several feed one buffer: slot i of each epoch goes to i % count."""

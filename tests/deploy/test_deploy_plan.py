@@ -70,12 +70,28 @@ def test_cli_dry_run_prints_json_and_exits_2_when_infeasible(tmp_path: Path) -> 
                          text=True, env=child_env(), cwd=REPO, timeout=60)
     assert bad.returncode == 2
     assert "needs 8 GPUs" in bad.stderr
-    # vLLM engines are not placed on Ray: refused by name, not replaced by reference engines
-    conf.write_text(yaml.safe_dump({"rollout": {"engines": {"backend": "vllm", "python": sys.executable}}}))
-    vllm = subprocess.run(base + ["--placement", "colocated", "--assume-gpus", "8"], capture_output=True,
+    # vLLM engines are placed like SGLang's (one adapter + vLLM per engine); what launch cannot
+    # place is refused by key, never replaced by reference engines
+    conf.write_text(yaml.safe_dump({"trainer": {"dp": 4}, "rollout": {"engines": {"backend": "vllm", "python": sys.executable}},
+                                    "run": {"num_gpus": {"trainer": 4, "rollout": 4}}}))
+    vllm = subprocess.run(base + ["--placement", "disaggregated", "--assume-gpus", "8"], capture_output=True,
                           text=True, env=child_env(), cwd=REPO, timeout=60)
-    assert vllm.returncode == 2, vllm.stdout + vllm.stderr
-    assert "rollout.engines.backend vllm is not supported by `headrace launch`" in vllm.stderr
+    assert vllm.returncode == 0, vllm.stdout + vllm.stderr
+    assert len(json.loads(vllm.stdout)["engines"]) == 4
+    refusals = {
+        "rollout.engines.python: backend vllm needs the python of the vLLM venv": {"backend": "vllm"},
+        "rollout.engines.urls with backend vllm": {"backend": "vllm", "python": sys.executable,
+                                                   "urls": ["http://127.0.0.1:8000"]},
+        "rollout.engines.backend external: `headrace launch` places its own engines": {
+            "backend": "external", "urls": ["http://127.0.0.1:8000"]},
+        "tp 2 with backend vllm: each vLLM engine here is one GPU": {"backend": "vllm", "python": sys.executable,
+                                                                    "tp": 2},
+    }
+    for message, engines in refusals.items():
+        conf.write_text(yaml.safe_dump({"rollout": {"engines": engines}}))
+        bad = subprocess.run(base + ["--placement", "colocated", "--assume-gpus", "8"], capture_output=True,
+                             text=True, env=child_env(), cwd=REPO, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, (engines, bad.stdout + bad.stderr)
 
 
 # ---- docker compose -------------------------------------------------------------------------
