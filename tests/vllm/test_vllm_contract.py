@@ -70,6 +70,12 @@ def test_seed_min_tokens_and_unknown_keys(engine: Engine) -> None:
     assert res["meta_info"]["completion_tokens"] == 6
     r = post(engine, "/generate", {"input_ids": prompt_ids(32), "sampling_params": {"max_new_tokens": 2, "bogus": 1}})
     assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
+    # the body sglang-router 0.3.2 forwards: SGLang's other keys, each at its default
+    routed = {"model": None, "input_ids": prompt_ids(33), "sampling_params": {"max_new_tokens": 3}, "return_logprob": True,
+              "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
+              "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False}
+    r = post(engine, "/generate", routed)
+    assert r.status_code == 200 and len(r.json()["meta_info"]["output_token_logprobs"]) == 3, r.text
 
 
 @pytest.mark.parametrize("body, words", [
@@ -78,7 +84,10 @@ def test_seed_min_tokens_and_unknown_keys(engine: Engine) -> None:
     ({"input_ids": [[1, 2]], "sampling_params": [{}, {}]}, "2 sampling_params for 1 prompts"),
     ({"sampling_params": {}}, "exactly one of input_ids and text"),
     ({"input_ids": [1, 2], "rid": 5}, "rid"),
-    ({"input_ids": [1, 2], "stream": True}, "unsupported /generate key(s) ['stream']"),
+    ({"input_ids": [1, 2], "stream": True}, "stream: true is not supported by a vLLM engine here (only false)"),
+    ({"input_ids": [1, 2], "return_hidden_states": 1}, "return_hidden_states: 1 is not supported"),
+    ({"input_ids": [1, 2], "model": "other"}, 'model: "other" is not supported'),
+    ({"input_ids": [1, 2], "session_params": {}}, "unsupported /generate key(s) ['session_params']"),
     ({"input_ids": [1, 2], "lora_path": 5}, "lora_path"),
 ])
 def test_bad_generate_bodies_are_400_naming_the_problem(engine: Engine, body: dict, words: str) -> None:
