@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 from headrace.deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
 from headrace.shared.procs import child_env as service_env
+from headrace.shared.procs import signal_group
 from headrace.shared.procs import port_free, signal_group, stop_group, wait_http
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +116,12 @@ class Proc:
         stop_group(self.popen, timeout)
         self._log.close()
         return self.popen.returncode
+
+
+def kill_groups(pids: Sequence[int]) -> None:
+    """Safety net after a test: SIGKILL the process group each pid leads (groups already gone are skipped)."""
+    for pid in pids:
+        signal_group(pid, signal.SIGKILL)
 
 
 @contextmanager

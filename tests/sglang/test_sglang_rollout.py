@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.procs import Proc, child_env, free_port, headrace_cmd
+from tests.procs import Proc, child_env, free_port, headrace_cmd, kill_groups
 from tests.rollout.support import Stack, write_prompts
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python
 
@@ -104,8 +104,4 @@ def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_k
         check_groups(s.lease_all(), vocab)
     finally:
         s.stop()
-        for pid in engine_pids:     # safety net: the fleet stops its engines; never leave one running
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(engine_pids)   # safety net: the fleet stops its engines; never leave one running

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, child_env, free_port, headrace_cmd
+from tests.procs import REPO, child_env, free_port, headrace_cmd, kill_groups
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python, tiny_model
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -76,8 +76,7 @@ def test_headrace_run_with_an_sglang_engine_completes_steps(tmp_path: Path) -> N
             code = proc.wait(60)
     text = log.read_text(errors="replace")
     leftover = _engine_pids(model)
-    for pid in leftover:          # the run must have stopped its engine; clean up before failing
-        os.killpg(pid, signal.SIGKILL)
+    kill_groups(leftover)   # the run must have stopped its engine; clean up before failing
     assert code == 0, text[-6000:]
     assert not leftover, f"SGLang engines left running after headrace run: {leftover}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]

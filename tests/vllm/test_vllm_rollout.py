@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import VLLM_PYTHON, Proc, child_env, free_port, headrace_cmd
+from tests.procs import VLLM_PYTHON, Proc, child_env, free_port, headrace_cmd, kill_groups
 from tests.rollout.support import Stack, write_prompts
 from tests.vllm.support import STARTUP_TIMEOUT_S
 
@@ -123,8 +123,4 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
         assert info["backend"] == "vllm" and info["weight_version"] == "0", info
     finally:
         s.stop()
-        for pid in pids:     # safety net: the fleet stops its engines; never leave one running
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(pids)   # safety net: the fleet stops its engines; never leave one running

@@ -9,14 +9,12 @@ generated on demand must reach the buffer complete, with a logprob per response 
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.procs import VLLM_PYTHON, free_port
+from tests.procs import VLLM_PYTHON, free_port, kill_groups
 from tests.rollout.support import write_prompts
 from tests.vllm.support import STARTUP_TIMEOUT_S
 from tests.vllm.test_vllm_rollout import N, TOKENS, VLLMStack, check_groups
@@ -49,8 +47,4 @@ def test_sglang_router_routes_to_a_vllm_engine(tmp_path: Path, tiny_model: Path)
         assert "sglang_router.launch_router" in s.rollout.log() and str(VLLM_PYTHON) in s.rollout.log()
     finally:
         s.stop()
-        for pid in pids:   # safety net: the fleet stops its engines; never leave one running
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_groups(pids)   # safety net: the fleet stops its engines; never leave one running

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, VLLM_PYTHON, child_env, free_port, headrace_cmd
+from tests.procs import REPO, VLLM_PYTHON, child_env, free_port, headrace_cmd, kill_groups
 from tests.vllm.support import STARTUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -76,11 +76,7 @@ def test_headrace_run_with_a_vllm_engine_trains_and_syncs(tiny_model: Path, tmp_
             code = proc.wait(60)
     text = log.read_text(errors="replace")
     leftover = _vllm_pids(tiny_model)
-    for pid in leftover:          # the run must have stopped its engine; clean up before failing
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_groups(leftover)   # the run must have stopped its engine; clean up before failing
     assert code == 0, text[-6000:]
     assert not leftover, f"vLLM processes left running after headrace run: {leftover}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
