@@ -6,7 +6,8 @@ between the pick and the child's bind.
 
 Guarantees: ``stop_group`` signals only the process group of a child started with
 ``start_new_session=True`` (its own group, so the child's descendants end with it), never a
-process by name; it returns once the child has exited or after SIGKILL. ``child_env`` bounds torch
+process by name; it returns once every process of that group has exited (SIGKILL for what is
+left after the grace period), not merely the child. ``child_env`` bounds torch
 and OpenMP threads and sets ``OMP_WAIT_POLICY=PASSIVE``: on a 2-core machine several spinning
 OpenMP pools slow each other down ~30x. Nothing here imports torch.
 """
@@ -78,17 +79,34 @@ def signal_group(pid: int, sig: int) -> bool:
         return False
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether any process (a zombie leader included) is still in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # a member we may not signal is still a member
+        return True
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
-    """SIGTERM the group ``proc`` leads, SIGKILL it after ``grace_s``; returns the exit code
-    (None only if even SIGKILL did not end it within ``kill_wait_s``)."""
+    """SIGTERM the group ``proc`` leads and wait up to ``grace_s`` until every process of the group
+    has exited, the leader and what it started in its group alike (a server's worker processes may
+    outlive it by seconds while they shut down); SIGKILL the group if any is left, and wait up to
+    ``kill_wait_s`` for that. Returns the leader's exit code (None only if even SIGKILL did not end
+    it)."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
-        if proc.poll() is not None or not signal_group(proc.pid, sig):
+        if proc.poll() is not None and not group_alive(proc.pid):
             break
-        try:
-            proc.wait(wait)
+        if not signal_group(proc.pid, sig):
+            proc.poll()
             break
-        except subprocess.TimeoutExpired:
-            continue
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not group_alive(proc.pid):   # poll first: it reaps the leader
+                return proc.returncode
+            time.sleep(0.05)
     return proc.poll()
 
 

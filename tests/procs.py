@@ -20,7 +20,6 @@ from typing import Iterator, Sequence
 
 from headrace.deploy.supervisor import headrace_argv as headrace_cmd  # noqa: F401  (re-exported for tests)
 from headrace.shared.procs import child_env as service_env
-from headrace.shared.procs import signal_group
 from headrace.shared.procs import port_free, signal_group, stop_group, wait_http
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,8 +20,7 @@ import yaml
 
 from headrace.shared.config import load_config
 from tests.procs import VLLM_PYTHON
-from tests.vllm.support import STARTUP_TIMEOUT_S
-from tests.vllm.test_vllm_run import _vllm_pids
+from tests.vllm.support import STARTUP_TIMEOUT_S, vllm_pids
 
 ray = pytest.importorskip("ray")
 
@@ -63,7 +62,7 @@ def test_launch_places_a_vllm_engine_and_trains(tiny_model: Path, tmp_path: Path
     try:
         code = launch_on_ray(load_config(path), "colocated")
     finally:
-        leftover = _vllm_pids(tiny_model)
+        leftover = vllm_pids(tiny_model)
         for pid in leftover:   # the launcher must have stopped them; clean up before failing
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -23,38 +23,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.procs import VLLM_PYTHON, Proc, child_env, free_port, headrace_cmd, kill_groups
-from tests.rollout.support import Stack, write_prompts
-from tests.vllm.support import STARTUP_TIMEOUT_S
+from tests.procs import VLLM_PYTHON, free_port, kill_groups
+from tests.rollout.support import write_prompts
+from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack, check_groups
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-N = 2
-TOKENS = 24
 PROMPT = [11, 42, 7, 99, 23, 5, 61, 17]
-
-
-class VLLMStack(Stack):
-    """A buffer and a rollout service whose engines are real vLLM servers (minutes to start here)."""
-
-    def start_rollout(self) -> None:
-        self.starts += 1
-        self.rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(self.config), "--port",
-                                         str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log",
-                            env=child_env(HEADRACE_LOG_LEVEL="INFO"))
-        self.rollout.wait_http(f"{self.url}/health", timeout=2 * STARTUP_TIMEOUT_S)
-
-
-def check_groups(groups: list, vocab: int, version: int) -> None:
-    assert groups
-    for g in groups:
-        assert len(g.samples) == N and sorted(x.index for x in g.samples) == list(range(N))
-        for x in g.samples:
-            assert x.status == "truncated" and x.response_length == TOKENS, x
-            assert len(x.rollout_logprobs) == len(x.loss_mask) == TOKENS
-            assert all(lp <= 0.0 for lp in x.rollout_logprobs)
-            assert all(0 <= t < vocab for t in x.tokens)
-            assert x.weight_version >= version and x.reward is not None
 
 
 @pytest.mark.timeout(3000)

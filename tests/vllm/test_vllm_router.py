@@ -16,8 +16,7 @@ import pytest
 
 from tests.procs import VLLM_PYTHON, free_port, kill_groups
 from tests.rollout.support import write_prompts
-from tests.vllm.support import STARTUP_TIMEOUT_S
-from tests.vllm.test_vllm_rollout import N, TOKENS, VLLMStack, check_groups
+from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack, check_groups
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -20,26 +20,11 @@ import pytest
 import yaml
 
 from tests.procs import REPO, VLLM_PYTHON, child_env, free_port, headrace_cmd, kill_groups
-from tests.vllm.support import STARTUP_TIMEOUT_S
+from tests.vllm.support import STARTUP_TIMEOUT_S, vllm_pids
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 3
-
-
-def _vllm_pids(model_dir: Path) -> list[int]:
-    """PIDs of vLLM adapters / servers still running for this run's model (safety net)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = b" ".join((proc / "cmdline").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if (b"vllm" in cmd) and str(model_dir).encode() in cmd:
-            pids.append(int(proc.name))
-    return pids
 
 
 @pytest.mark.timeout(2400)
@@ -75,7 +60,7 @@ def test_headrace_run_with_a_vllm_engine_trains_and_syncs(tiny_model: Path, tmp_
             os.killpg(proc.pid, signal.SIGINT)
             code = proc.wait(60)
     text = log.read_text(errors="replace")
-    leftover = _vllm_pids(tiny_model)
+    leftover = vllm_pids(tiny_model)
     kill_groups(leftover)   # the run must have stopped its engine; clean up before failing
     assert code == 0, text[-6000:]
     assert not leftover, f"vLLM processes left running after headrace run: {leftover}"
