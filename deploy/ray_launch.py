@@ -10,8 +10,8 @@ only pins it to its resources and owns its process:
   the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL. For
   ``backend: vllm`` the actor runs Headrace's SGLang-API adapter (``rollout.vllm_backend``), which
   launches vLLM from ``engines.python`` inside the adapter's process group (with a parent-death
-  signal), so stopping the actor's process group ends both; ``check_launchable`` refuses by key what launch cannot place (backend external, vLLM
-  ``urls``, vLLM without ``engines.python``);
+  signal), so stopping the actor's process group ends both; ``check_launchable`` refuses by key
+  what launch cannot place (backend external, vLLM ``urls``, vLLM without ``engines.python``);
 - trainer: one actor per rank on its bundle, torchrun-style env (RANK, WORLD_SIZE, MASTER_ADDR =
   rank 0's node, MASTER_PORT); ``headrace train`` runs that single rank. On several nodes the
   engines join the weight-sync group at rank 0's node (``trainer.sync_address``).

@@ -15,8 +15,8 @@ Guarantees:
   (``max_new_tokens`` -> ``max_tokens``, ``min_new_tokens`` -> ``min_tokens``, ``stop``,
   ``stop_token_ids``, ``ignore_eos``, ``seed``, ``n``, ...); an unknown key is a 400 naming it.
   SGLang's ``stream``, ``return_hidden_states``, ``return_text_in_logprobs``, ``model``, ... are
-  accepted only at values that change nothing (``vllm_request.INERT_KEYS``: sglang-router sends them with every
-  request, at SGLang's defaults); another value is a 400 naming the key.
+  accepted only at values that change nothing (``vllm_request.INERT_KEYS``: sglang-router sends
+  them with every request, at SGLang's defaults); another value is a 400 naming the key.
   Logprobs are of the tempered distribution (vLLM runs with ``--logprobs-mode processed_logprobs``).
 - ``/abort_request {"rid"}`` / ``{"abort_all": true}`` abort by vLLM's *internal* ids
   (``generate-tokens-<request_id>``; a plain id aborts nothing while vLLM answers 200); the caller
