@@ -125,15 +125,18 @@ def _abort_until_done(engine: Any, bgs: list[Background], body: dict[str, Any]) 
         t.join(30)
 
 
-def _aborted(engine: Any, start: Any, body: dict[str, Any], attempts: int = 3) -> list[Any]:
+def _aborted(engine: Any, start: Any, body: dict[str, Any], attempts: int = 5) -> list[Any]:
     """The answers of ``start()``'s requests (a list of ``Background``) under ``_abort_until_done``,
     from the first of ``attempts`` tries in which no sequence ran to its end (finish ``length``,
     every sequence has ``ignore_eos``). A loaded machine can starve the engine's HTTP front for the
     whole of a 1,800-token generation: on vLLM's adapter with four CPU burners, aborts sent every
     0.2 s were all answered only after the generation ended (4 Dec), so the abort lost the race
-    without being broken. An abort that is answered wrongly fails at once; only a lost race is
-    tried again."""
-    for _ in range(attempts):
+    without being broken; on 4 Dec a CI run lost it three times in a row (vLLM's log shows no abort
+    reached it while both sequences ran), so a lost race is now tried up to five times, a second
+    apart. An abort that is answered wrongly fails at once; only a lost race is tried again."""
+    for attempt in range(attempts):
+        if attempt:
+            time.sleep(1.0)   # let a burst of load on the machine pass
         bgs = start()
         _abort_until_done(engine, bgs, body)
         answers = [bg.wait() for bg in bgs]
