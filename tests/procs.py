@@ -117,6 +117,22 @@ class Proc:
         return self.popen.returncode
 
 
+def pids_running(words: bytes, model_dir: Path) -> list[int]:
+    """PIDs of processes whose command line holds ``words`` and names ``model_dir`` (a safety net
+    after a run that must have stopped its engines)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = b" ".join((proc / "cmdline").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if words in cmd and str(model_dir).encode() in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
 def kill_groups(pids: Sequence[int]) -> None:
     """Safety net after a test: SIGKILL the process group each pid leads (groups already gone are skipped)."""
     for pid in pids:

@@ -107,3 +107,18 @@ class Stack:
         for p in (self.rollout, self.buffer):
             if p is not None:
                 p.stop()
+
+
+def check_groups(groups: list[Group], vocab: int, n: int, tokens: int, version: int = 0, exact: bool = False) -> None:
+    """Complete groups of ``n`` samples of ``tokens`` ignore-eos tokens each (truncated), a logprob
+    per response token, ids inside the vocabulary, scored, tagged ``version`` (at least it, unless
+    ``exact``)."""
+    assert groups
+    for g in groups:
+        assert len(g.samples) == n and sorted(x.index for x in g.samples) == list(range(n))
+        for x in g.samples:
+            assert x.status == "truncated" and x.response_length == tokens, x
+            assert len(x.rollout_logprobs) == len(x.loss_mask) == tokens
+            assert all(lp <= 0.0 for lp in x.rollout_logprobs)
+            assert all(0 <= t < vocab for t in x.tokens)
+            assert (x.weight_version == version if exact else x.weight_version >= version) and x.reward is not None, x

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.procs import Proc, child_env, free_port, headrace_cmd, kill_groups
-from tests.rollout.support import Stack, write_prompts
+from tests.rollout.support import Stack, check_groups, write_prompts
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -52,18 +52,6 @@ def rollout_config(prompts: Path) -> dict[str, Any]:
     }
 
 
-def check_groups(groups: list, vocab: int) -> None:
-    assert groups
-    for g in groups:
-        assert len(g.samples) == N and sorted(x.index for x in g.samples) == list(range(N))
-        for x in g.samples:
-            assert x.status == "truncated" and x.response_length == TOKENS, x
-            assert len(x.rollout_logprobs) == len(x.loss_mask) == TOKENS
-            assert all(lp <= 0.0 for lp in x.rollout_logprobs)
-            assert all(0 <= t < vocab for t in x.tokens)
-            assert x.weight_version == 0 and x.reward is not None
-
-
 @pytest.mark.timeout(1800)
 def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_kill(tmp_path: Path, tiny_model: Path) -> None:
     import json
@@ -77,7 +65,7 @@ def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_k
         engine_pids = [e["pid"] for e in st["engines"]]
         assert len(st["engines"]) == 2 and all(e["healthy"] for e in st["engines"]), st["engines"]
         assert s.get("/v1/engines") == [{"url": e["url"], "world_size": 1} for e in st["engines"]]
-        check_groups(s.lease_all(), vocab)
+        check_groups(s.lease_all(), vocab, N, TOKENS, exact=True)
         # concurrent sequences went through the router as batch /generate requests, which it accepts
         assert st["generate_requests"] < st["sequences_sent"] and st["refused_batches"] == 0, st
         assert "--health-check-endpoint /get_model_info" in s.rollout.log()   # the router's checks too
@@ -101,7 +89,7 @@ def test_two_sglang_engines_behind_sglang_router_fill_the_buffer_and_survive_a_k
                     what="generation continues on the other SGLang engine")
         assert st["engines"][1]["healthy"]
         assert "down" in s.rollout.log()
-        check_groups(s.lease_all(), vocab)
+        check_groups(s.lease_all(), vocab, N, TOKENS, exact=True)
     finally:
         s.stop()
         kill_groups(engine_pids)   # safety net: the fleet stops its engines; never leave one running

@@ -16,27 +16,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, child_env, free_port, headrace_cmd, kill_groups
+from tests.procs import REPO, child_env, free_port, headrace_cmd, kill_groups, pids_running
 from tests.sglang.sglang_cpu.server import CPU_ARGS, CPU_ENV, STARTUP_TIMEOUT_S, sglang_python, tiny_model
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 STEPS = 3
-
-
-def _engine_pids(model_dir: Path) -> list[int]:
-    """PIDs of SGLang launchers still running whose command names this run's model (safety net)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"sglang.launch_server" in cmd and str(model_dir).encode() in b" ".join(cmd):
-            pids.append(int(proc.name))
-    return pids
 
 
 @pytest.mark.timeout(2400)
@@ -75,7 +60,7 @@ def test_headrace_run_with_an_sglang_engine_completes_steps(tmp_path: Path) -> N
             os.killpg(proc.pid, signal.SIGINT)
             code = proc.wait(60)
     text = log.read_text(errors="replace")
-    leftover = _engine_pids(model)
+    leftover = pids_running(b"sglang.launch_server", model)
     kill_groups(leftover)   # the run must have stopped its engine; clean up before failing
     assert code == 0, text[-6000:]
     assert not leftover, f"SGLang engines left running after headrace run: {leftover}"

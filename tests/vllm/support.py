@@ -63,30 +63,3 @@ class VLLMStack(Stack):
                                          str(self.rollout_port)), self.tmp / f"rollout-{self.starts}.log",
                             env=child_env(HEADRACE_LOG_LEVEL="INFO"))
         self.rollout.wait_http(f"{self.url}/health", timeout=2 * STARTUP_TIMEOUT_S)
-
-
-def check_groups(groups: list, vocab: int, version: int) -> None:
-    assert groups
-    for g in groups:
-        assert len(g.samples) == N and sorted(x.index for x in g.samples) == list(range(N))
-        for x in g.samples:
-            assert x.status == "truncated" and x.response_length == TOKENS, x
-            assert len(x.rollout_logprobs) == len(x.loss_mask) == TOKENS
-            assert all(lp <= 0.0 for lp in x.rollout_logprobs)
-            assert all(0 <= t < vocab for t in x.tokens)
-            assert x.weight_version >= version and x.reward is not None
-
-
-def vllm_pids(model_dir: Path) -> list[int]:
-    """PIDs of vLLM adapters / servers still running for this run's model (safety net)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = b" ".join((proc / "cmdline").read_bytes().split(b"\0"))
-        except OSError:
-            continue
-        if (b"vllm" in cmd) and str(model_dir).encode() in cmd:
-            pids.append(int(proc.name))
-    return pids

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from headrace.shared.config import load_config
-from tests.procs import VLLM_PYTHON
-from tests.vllm.support import STARTUP_TIMEOUT_S, vllm_pids
+from tests.procs import VLLM_PYTHON, pids_running
+from tests.vllm.support import STARTUP_TIMEOUT_S
 
 ray = pytest.importorskip("ray")
 
@@ -62,7 +62,7 @@ def test_launch_places_a_vllm_engine_and_trains(tiny_model: Path, tmp_path: Path
     try:
         code = launch_on_ray(load_config(path), "colocated")
     finally:
-        leftover = vllm_pids(tiny_model)
+        leftover = pids_running(b"vllm", tiny_model)
         for pid in leftover:   # the launcher must have stopped them; clean up before failing
             try:
                 os.kill(pid, signal.SIGKILL)

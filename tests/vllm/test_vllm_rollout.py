@@ -24,8 +24,8 @@ import httpx
 import pytest
 
 from tests.procs import VLLM_PYTHON, free_port, kill_groups
-from tests.rollout.support import write_prompts
-from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack, check_groups
+from tests.rollout.support import check_groups, write_prompts
+from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -75,7 +75,7 @@ def test_two_vllm_engines_fill_the_buffer_pause_resume_and_take_a_weight_sync(tm
         produced = s.status()["produced"]
         s.wait(lambda st: st["produced"] >= produced + 4, timeout=600, what="groups after the weight sync")
         groups = s.lease_all()
-        check_groups(groups, vocab, 0)
+        check_groups(groups, vocab, N, TOKENS)
         assert any(x.weight_version == 1 for g in groups for x in g.samples)
         if paused.get("partial"):
             assert any(x.metadata.get("resumed") for g in groups for x in g.samples), paused

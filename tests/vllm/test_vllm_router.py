@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from tests.procs import VLLM_PYTHON, free_port, kill_groups
-from tests.rollout.support import write_prompts
-from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack, check_groups
+from tests.rollout.support import check_groups, write_prompts
+from tests.vllm.support import N, STARTUP_TIMEOUT_S, TOKENS, VLLMStack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def test_sglang_router_routes_to_a_vllm_engine(tmp_path: Path, tiny_model: Path)
         assert out["groups"] == 3, out
         groups = s.lease_all()
         assert len(groups) == 3
-        check_groups(groups, vocab, 0)
+        check_groups(groups, vocab, N, TOKENS)
         st = s.status()
         assert st["sequences_sent"] >= 3 * N and st["engines"][0]["served"] == 0, st   # all through the router
         assert "sglang_router.launch_router" in s.rollout.log() and str(VLLM_PYTHON) in s.rollout.log()

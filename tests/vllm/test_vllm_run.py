@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.procs import REPO, VLLM_PYTHON, child_env, free_port, headrace_cmd, kill_groups
-from tests.vllm.support import STARTUP_TIMEOUT_S, vllm_pids
+from tests.procs import REPO, VLLM_PYTHON, child_env, free_port, headrace_cmd, kill_groups, pids_running
+from tests.vllm.support import STARTUP_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -60,7 +60,7 @@ def test_headrace_run_with_a_vllm_engine_trains_and_syncs(tiny_model: Path, tmp_
             os.killpg(proc.pid, signal.SIGINT)
             code = proc.wait(60)
     text = log.read_text(errors="replace")
-    leftover = vllm_pids(tiny_model)
+    leftover = pids_running(b"vllm", tiny_model)
     kill_groups(leftover)   # the run must have stopped its engine; clean up before failing
     assert code == 0, text[-6000:]
     assert not leftover, f"vLLM processes left running after headrace run: {leftover}"
