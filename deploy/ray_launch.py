@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
+from headrace.rollout.vllm_launch import adapter_command
 from headrace.shared.auth import bind_refusal, module_argv, token_env
 from headrace.shared.config import ConfigError, HeadraceConfig, rollout_mode, save_config
 from headrace.shared.procs import free_port, stop_group, wait_http
@@ -113,9 +114,7 @@ def check_launchable(cfg: HeadraceConfig) -> None:
 def _engine_argv(cfg: HeadraceConfig, host: str, port: int) -> list[str]:
     eng = cfg.rollout.engines
     if eng.backend == "vllm":   # the SGLang-API adapter, which launches vLLM inside its own process group
-        return [sys.executable, "-m", "headrace.rollout.vllm_backend", "--model", cfg.model, "--host", host,
-                "--port", str(port), "--startup-timeout-s", str(eng.startup_timeout_s),
-                "--python", str(eng.python), "--", *eng.args]
+        return adapter_command(cfg.model, host, port, eng.startup_timeout_s, python=eng.python, args=eng.args)
     if eng.backend == "sglang":   # --api-key is added from the child's HEADRACE_TOKEN, not on its command line
         python = eng.python or sys.executable
         return module_argv(python, "sglang.launch_server", ["--model-path", cfg.model, "--host", host, "--port", str(port),

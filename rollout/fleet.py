@@ -58,6 +58,7 @@ from typing import Any
 
 import httpx
 
+from headrace.rollout.vllm_launch import adapter_command
 from headrace.shared.aio import AioHTTP
 from headrace.shared.auth import TOKEN_ENV, bearer_headers, bind_refusal, module_argv, token_env
 from headrace.shared.config import EnginesConfig
@@ -180,16 +181,13 @@ class Fleet:
                 args += ["--tp-size", str(self.cfg.tp)]
             cmd = module_argv(self.cfg.python, "sglang.launch_server", args, self.token)  # --api-key from env
         elif b == "vllm":   # an SGLang-API adapter (rollout/vllm_backend.py) that launches or attaches to vLLM
-            cmd = [sys.executable, "-m", "headrace.rollout.vllm_backend", "--model", self.model, "--host", self.cfg.host,
-                   "--port", str(port), "--parent-pid", str(os.getpid()),
-                   "--startup-timeout-s", str(self.cfg.startup_timeout_s)]
             index = next(e.index for e in self.engines if e.port == port)
-            if self.cfg.urls:
-                return cmd + ["--upstream", self.cfg.urls[index]]
-            if not self.cfg.python:
+            if not self.cfg.urls and not self.cfg.python:
                 raise ValueError("rollout.engines.python: backend vllm needs the python of the vLLM venv "
                                  "(`make vllm-venv` builds .venv-vllm/bin/python), or vLLM urls to attach to")
-            return cmd + ["--python", self.cfg.python, "--", *self.cfg.args]
+            return adapter_command(self.model, self.cfg.host, port, self.cfg.startup_timeout_s, python=self.cfg.python,
+                                   upstream=self.cfg.urls[index] if self.cfg.urls else None, args=self.cfg.args,
+                                   parent_pid=os.getpid())
         else:
             raise AssertionError(b)
         return cmd + list(self.cfg.args)

@@ -1,5 +1,6 @@
 """Launching one vLLM server for the adapter (``rollout.vllm_backend``): its command line and
-environment, waiting for it to come up, watching it afterwards, and the model's tokenizer.
+environment, waiting for it to come up, watching it afterwards, and the model's tokenizer; and the
+adapter's own command line (``adapter_command``), which the fleet and ``headrace launch`` both use.
 
 Guarantees:
 - vLLM runs from its own venv with CPU-friendly flags (``engines.args`` appended and winning), dev
@@ -17,6 +18,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -26,6 +28,21 @@ import httpx
 from headrace.shared.auth import TOKEN_ENV
 
 log = logging.getLogger("headrace.rollout.vllm")
+
+
+def adapter_command(model: str, host: str, port: int, startup_timeout_s: float, *, python: str | None = None,
+                    upstream: str | None = None, args: list[str] | None = None,
+                    parent_pid: int | None = None) -> list[str]:
+    """``python -m headrace.rollout.vllm_backend`` serving SGLang's API on ``host:port``: it launches
+    vLLM from ``python`` (with ``args`` for vLLM) or attaches to ``upstream``; with ``parent_pid``
+    it stops when that process is gone."""
+    cmd = [sys.executable, "-m", "headrace.rollout.vllm_backend", "--model", model, "--host", host, "--port", str(port),
+           "--startup-timeout-s", str(startup_timeout_s)]
+    if parent_pid is not None:
+        cmd += ["--parent-pid", str(parent_pid)]
+    if upstream is not None:
+        return cmd + ["--upstream", upstream]
+    return cmd + ["--python", str(python), "--", *(args or [])]
 
 
 def vllm_command(python: str, model: str, port: int, extra: list[str]) -> list[str]:

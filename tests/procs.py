@@ -133,6 +133,21 @@ def pids_running(words: bytes, model_dir: Path) -> list[int]:
     return pids
 
 
+RAY_CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+                 "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start_local_ray(gpus: int, cpus: int = 2) -> None:
+    """A local Ray in this process with ``gpus`` logical GPUs (Ray schedules them; nothing touches
+    CUDA) and bounded threads in every worker."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": RAY_CHILD_ENV})
+
+
 def kill_groups(pids: Sequence[int]) -> None:
     """Safety net after a test: SIGKILL the process group each pid leads (groups already gone are skipped)."""
     for pid in pids:

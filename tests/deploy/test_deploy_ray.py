@@ -23,18 +23,11 @@ import yaml
 
 from headrace.deploy.plan import PlanError, make_plan, ray_nodes
 from headrace.shared.config import HeadraceConfig, load_config
-from tests.procs import REPO
+from tests.procs import REPO, start_local_ray
 
 ray = pytest.importorskip("ray")
 
 STEPS = 2
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-             "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _start_ray(gpus: int, cpus: int = 2) -> None:
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": CHILD_ENV})
 
 
 def cfg(tp: int, dp: int, trainer: int, rollout: int, engine_tp: int) -> HeadraceConfig:
@@ -65,10 +58,8 @@ def _reserve(plan_bundles: int) -> list[str]:
 
 @pytest.mark.slow
 def test_plans_on_ray_nodes_with_4_and_8_fake_gpus() -> None:
-    if ray.is_initialized():
-        ray.shutdown()
     for gpus in (4, 8):
-        _start_ray(gpus)
+        start_local_ray(gpus)
         try:
             nodes = ray_nodes()
             assert len(nodes) == 1 and nodes[0].gpus == gpus, nodes
@@ -101,9 +92,7 @@ def test_infeasible_launch_fails_fast_without_starting_anything(tmp_path: Path, 
     import headrace.deploy.ray_launch as rl
     from headrace.deploy.ray_launch import launch_on_ray
 
-    if ray.is_initialized():
-        ray.shutdown()
-    _start_ray(2)
+    start_local_ray(2)
     try:
         c = cfg(1, 2, 2, 2, 1)
         c.run.out = str(tmp_path / "out")
@@ -154,9 +143,7 @@ def _run_config(tmp_path: Path, model: Path, placement: str, dp: int) -> Headrac
 
 @pytest.fixture
 def ray_3gpus() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    _start_ray(3, cpus=3)
+    start_local_ray(3, cpus=3)
     yield
     ray.shutdown()
 

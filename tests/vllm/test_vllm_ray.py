@@ -9,6 +9,7 @@ launcher's wiring, and no vLLM process may outlive the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ import pytest
 import yaml
 
 from headrace.shared.config import load_config
-from tests.procs import VLLM_PYTHON, pids_running
+from tests.procs import VLLM_PYTHON, pids_running, start_local_ray
 from tests.vllm.support import STARTUP_TIMEOUT_S
 
 ray = pytest.importorskip("ray")
@@ -27,16 +28,11 @@ ray = pytest.importorskip("ray")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = 2
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-             "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture
 def ray_2gpus() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=3, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": CHILD_ENV})
+    start_local_ray(2, cpus=3)
     yield
     ray.shutdown()
 
@@ -64,10 +60,8 @@ def test_launch_places_a_vllm_engine_and_trains(tiny_model: Path, tmp_path: Path
     finally:
         leftover = pids_running(b"vllm", tiny_model)
         for pid in leftover:   # the launcher must have stopped them; clean up before failing
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     out = tmp_path / "run"
     engine_log = (out / "logs" / "engine0.log").read_text(errors="replace")
     assert code == 0
