@@ -128,10 +128,10 @@ def test_kill9_of_the_trainer_between_checkpoints_replays_the_uncheckpointed_gro
 def test_kill9_and_restart_of_the_buffer_mid_run(tmp_path, model_dir):
     db, port = tmp_path / "buffer.sqlite", free_port()
     proc, url = start_buffer(tmp_path, "--db", str(db), "--max-staleness", "1000", port=port)
-    steps = 10
+    steps, before = 10, 6
     try:
-        with BufferClient(url) as c:
-            c.post_groups(synthetic_groups(steps * GROUPS_PER_STEP))
+        with BufferClient(url) as c:   # 6 steps' worth first: the kill comes mid-run however late it comes
+            c.post_groups(synthetic_groups(before * GROUPS_PER_STEP))
         # a lease whose answer the kill lost holds its groups lease_s: the trainer waits longer
         config = write_config(tmp_path, model_dir, url, lease_s=20, steps=steps, save_every=3, lease_wait_s=45)
         trainer = _trainer(tmp_path, config, url, "train")
@@ -142,6 +142,8 @@ def test_kill9_and_restart_of_the_buffer_mid_run(tmp_path, model_dir):
             time.sleep(2.0)                                   # the trainer meets a dead buffer
             proc, url = start_buffer(tmp_path, "--db", str(db), "--max-staleness", "1000", port=port,
                                      name="buffer2")
+            with BufferClient(url) as c:
+                c.post_groups(synthetic_groups((steps - before) * GROUPS_PER_STEP, start=before * GROUPS_PER_STEP))
             assert trainer.popen.wait(400) == 0, trainer.log()
         finally:
             trainer.stop()
