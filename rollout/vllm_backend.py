@@ -259,6 +259,9 @@ class Adapter:
             held = [e for k, e in self.held.items() if k == body["rid"]]
         else:
             raise BadRequest("give rid (a string) or abort_all: true")
+        # one line per abort: what it found is what tells a lost race from a missed abort
+        log.info("abort %s: %d in flight, %d held", "all" if body.get("abort_all") else body["rid"],
+                 len(targets), len(held))
         for e in held:   # held here (paused): answered at once, as from SGLang's waiting queue
             e.set()
         await self._abort(targets)

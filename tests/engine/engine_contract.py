@@ -19,6 +19,7 @@ import functools
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -143,8 +144,10 @@ def _aborted(engine: Any, start: Any, body: dict[str, Any], attempts: int = 5) -
         flat = [a for ans in answers for a in (ans if isinstance(ans, list) else [ans])]
         if not any(a["meta_info"]["finish_reason"]["type"] == "length" for a in flat):
             return answers
+    log = getattr(engine, "log", None)   # an engine that keeps a log shows what its aborts found
     raise AssertionError(f"no abort landed in {attempts} tries: " + repr(
-        [{k: a["meta_info"].get(k) for k in ("finish_reason", "completion_tokens")} for a in flat]))
+        [{k: a["meta_info"].get(k) for k in ("finish_reason", "completion_tokens")} for a in flat])
+        + (f"\nthe engine's log ends:\n{Path(log).read_text()[-6000:]}" if log and Path(log).is_file() else ""))
 
 
 def _pause_hold_continue(engine: Any, mode: str) -> None:

@@ -29,6 +29,7 @@ TOKEN = "vllm-contract-token"
 class Engine:
     url: str
     model_dir: Path
+    log: Path | None = None   # the adapter's and vLLM's log: the contract shows its end when an abort is lost
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def engine(vllm: VLLMEngine, tiny_model: Path) -> Iterator[Engine]:
     mp = pytest.MonkeyPatch()
     mp.setattr(httpx.Client, "__init__", with_token)
     try:
-        yield Engine(vllm.url, tiny_model)
+        yield Engine(vllm.url, tiny_model, vllm.log)
     finally:
         mp.undo()
 
