@@ -52,6 +52,12 @@ def _wait_rows(proc: Proc, tmp_path: Path, rows: int, limit: float = 300.0) -> N
     pytest.fail(f"fewer than {rows} steps within {limit}s:\n{proc.log()}")
 
 
+def _queue_steps(url: str, first: int, last: int) -> None:
+    """Queue the synthetic groups of steps ``first``+1 .. ``last`` (ids continue across calls)."""
+    with BufferClient(url) as c:
+        c.post_groups(synthetic_groups((last - first) * GROUPS_PER_STEP, start=first * GROUPS_PER_STEP))
+
+
 def _final_meta(tmp_path: Path) -> dict:
     ckpt = tmp_path / "ckpt"
     return json.loads((ckpt / (ckpt / "latest").read_text() / "meta.json").read_text())
@@ -93,8 +99,7 @@ def test_kill9_of_the_trainer_between_checkpoints_replays_the_uncheckpointed_gro
         steps, every, before = 12, 5, 7
         # only 7 steps' worth is queued at first, so the first trainer cannot pass step 7 (checkpoint 5),
         # however late a loaded machine lets the kill come (a CI run once saw it reach checkpoint 10)
-        with BufferClient(url) as c:
-            c.post_groups(synthetic_groups(before * GROUPS_PER_STEP))
+        _queue_steps(url, 0, before)
         # held leases live lease_s after the kill; the resumed trainer waits longer than that for them
         config = write_config(tmp_path, model_dir, url, lease_s=6, steps=steps, save_every=every, lease_wait_s=30)
         first = _trainer(tmp_path, config, url, "train1")
@@ -106,8 +111,8 @@ def test_kill9_of_the_trainer_between_checkpoints_replays_the_uncheckpointed_gro
         trained = len(metrics(tmp_path))
         saved = _final_meta(tmp_path)["step"]
         assert (saved, trained) == (every, before)
+        _queue_steps(url, before, steps)
         with BufferClient(url) as c:
-            c.post_groups(synthetic_groups((steps - before) * GROUPS_PER_STEP, start=before * GROUPS_PER_STEP))
             s = c.stats()
         assert s.consumed == saved * GROUPS_PER_STEP          # acked only what a checkpoint contains
         assert s.leased >= (trained - saved) * GROUPS_PER_STEP  # held (and maybe the next step's lease)
@@ -130,8 +135,7 @@ def test_kill9_and_restart_of_the_buffer_mid_run(tmp_path, model_dir):
     proc, url = start_buffer(tmp_path, "--db", str(db), "--max-staleness", "1000", port=port)
     steps, before = 10, 6
     try:
-        with BufferClient(url) as c:   # 6 steps' worth first: the kill comes mid-run however late it comes
-            c.post_groups(synthetic_groups(before * GROUPS_PER_STEP))
+        _queue_steps(url, 0, before)   # 6 steps' worth first: the kill comes mid-run however late it comes
         # a lease whose answer the kill lost holds its groups lease_s: the trainer waits longer
         config = write_config(tmp_path, model_dir, url, lease_s=20, steps=steps, save_every=3, lease_wait_s=45)
         trainer = _trainer(tmp_path, config, url, "train")
@@ -142,8 +146,7 @@ def test_kill9_and_restart_of_the_buffer_mid_run(tmp_path, model_dir):
             time.sleep(2.0)                                   # the trainer meets a dead buffer
             proc, url = start_buffer(tmp_path, "--db", str(db), "--max-staleness", "1000", port=port,
                                      name="buffer2")
-            with BufferClient(url) as c:
-                c.post_groups(synthetic_groups((steps - before) * GROUPS_PER_STEP, start=before * GROUPS_PER_STEP))
+            _queue_steps(url, before, steps)
             assert trainer.popen.wait(400) == 0, trainer.log()
         finally:
             trainer.stop()
