@@ -7,7 +7,10 @@ between the pick and the child's bind.
 Guarantees: ``stop_group`` signals only the process group of a child started with
 ``start_new_session=True`` (its own group, so the child's descendants end with it), never a
 process by name; it returns once every process of that group has exited (SIGKILL for what is
-left after the grace period), not merely the child. ``child_env`` bounds torch
+left after the grace period), not merely the child. Once the child has been reaped its pid may be
+reused; ``stop_group`` then signals the group only while no process holds that pid (Linux does not
+hand out a pid that is still a live group's id, so a process holding it means the group is gone and
+the id belongs to someone else). ``child_env`` bounds torch
 and OpenMP threads and sets ``OMP_WAIT_POLICY=PASSIVE``: on a 2-core machine several spinning
 OpenMP pools slow each other down ~30x. Nothing here imports torch.
 """
@@ -90,21 +93,45 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def _pid_taken(pid: int) -> bool:
+    """Whether a process (a zombie included) holds ``pid`` right now."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process
+        return True
+
+
+def group_is_ours(proc: subprocess.Popen) -> bool:
+    """Whether the process group with ``proc``'s pid as its id can still be the one ``proc`` led:
+    always while ``proc`` is not reaped (its pid is held); after that only while no process holds
+    the pid. While any member of a group lives the kernel reuses neither its id as a pid nor as a
+    new group's id, so a reaped leader's pid held by a process means our group has ended and a
+    later process (perhaps a new group's leader) has that id."""
+    return proc.returncode is None or not _pid_taken(proc.pid)
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
     """SIGTERM the group ``proc`` leads and wait up to ``grace_s`` until every process of the group
     has exited, the leader and what it started in its group alike (a server's worker processes may
     outlive it by seconds while they shut down); SIGKILL the group if any is left, and wait up to
     ``kill_wait_s`` for that. Returns the leader's exit code (None only if even SIGKILL did not end
-    it)."""
+    it). A group whose id another process has taken since ``proc`` was reaped is never signalled
+    (``group_is_ours``)."""
+    def ended() -> bool:   # poll first: it reaps the leader
+        return proc.poll() is not None and (not group_is_ours(proc) or not group_alive(proc.pid))
+
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, kill_wait_s)):
-        if proc.poll() is not None and not group_alive(proc.pid):
+        if ended():
             break
         if not signal_group(proc.pid, sig):
             proc.poll()
             break
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
-            if proc.poll() is not None and not group_alive(proc.pid):   # poll first: it reaps the leader
+            if ended():
                 return proc.returncode
             time.sleep(0.05)
     return proc.poll()

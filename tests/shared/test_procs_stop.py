@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from headrace.shared.procs import group_alive, stop_group
+from headrace.shared.procs import group_alive, group_is_ours, stop_group
 
 LEADER = r"""
 import signal, subprocess, sys, time
@@ -79,3 +79,22 @@ def test_a_group_already_gone_is_no_error(tmp_path: Path) -> None:
     p.wait(30)
     assert stop_group(p, grace_s=1.0) == 0
     assert not group_alive(p.pid)
+
+
+def test_a_reaped_leaders_pid_taken_by_another_group_is_not_signalled(tmp_path: Path) -> None:
+    """Our leader exited and was reaped, and its pid now leads someone else's process group (pid
+    reuse, simulated by pointing the reaped child's ``pid`` at another group's leader): stopping
+    ours must leave that group alone."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    mine = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    try:
+        assert mine.wait(30) == 0
+        assert group_is_ours(mine)        # reaped, and nothing holds its pid
+        mine.pid = other.pid              # what pid reuse would look like
+        assert not group_is_ours(mine)
+        assert stop_group(mine, grace_s=1.0, kill_wait_s=1.0) == 0
+        time.sleep(0.2)
+        assert other.poll() is None, "stop_group signalled a group that was not its child's"
+    finally:
+        other.kill()
+        other.wait(30)
