@@ -82,26 +82,21 @@ def signal_group(pid: int, sig: int) -> bool:
         return False
 
 
+def _exists(probe: Callable[[int, int], None], ident: int) -> bool:
+    """Signal 0 through ``probe`` (``os.kill`` or ``os.killpg``): whether ``ident`` names a live
+    process or group (a zombie included; one we may not signal exists too)."""
+    try:
+        probe(ident, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any process (a zombie leader included) is still in process group ``pgid``."""
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # a member we may not signal is still a member
-        return True
-
-
-def _pid_taken(pid: int) -> bool:
-    """Whether a process (a zombie included) holds ``pid`` right now."""
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:   # someone else's process
-        return True
+    return _exists(os.killpg, pgid)
 
 
 def group_is_ours(proc: subprocess.Popen) -> bool:
@@ -110,7 +105,7 @@ def group_is_ours(proc: subprocess.Popen) -> bool:
     the pid. While any member of a group lives the kernel reuses neither its id as a pid nor as a
     new group's id, so a reaped leader's pid held by a process means our group has ended and a
     later process (perhaps a new group's leader) has that id."""
-    return proc.returncode is None or not _pid_taken(proc.pid)
+    return proc.returncode is None or not _exists(os.kill, proc.pid)
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 10.0, kill_wait_s: float = 10.0) -> int | None:
