@@ -12,6 +12,14 @@ evaluation steps, and a step-0 row with the baseline evaluation), ``metrics.png`
 (trainer checkpoints), ``hf/`` (the final policy as a Hugging Face directory), ``buffer.sqlite``,
 ``rollout_state.json`` (the data cursor) and ``logs/<service>.log``.
 
+Several rollout services (``run.rollout_services`` k > 1): the run starts k of them, ``rollout0`` ..
+``rollout<k-1>``, each from its own ``<out>/rollout<i>.yaml``: a contiguous block of the engines (of
+``rollout.engines.count`` launched ones, their ports counting up from ``base_port`` as one fleet's
+would, or of ``rollout.engines.urls``), its shard of the prompts (``rollout.data.shard {i, k}``: its
+own cursor, ``rollout_state.shard<i>of<k>.json``) and its port; the trainer gets every URL
+(``--rollout-url`` once per service; ``rollout.url`` / ``rollout.extra_urls`` in config.yaml). Fewer
+engines than services is a ``ConfigError`` before anything starts.
+
 Placement: ``run.placement: disaggregated`` runs the rollout in continuous mode (generation ahead
 of training within ``buffer.max_staleness`` versions); ``colocated`` forces ``rollout.mode:
 on_demand`` (generate a batch, release the engines' memory, train, resume memory, sync);
@@ -50,6 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from headrace.deploy.plan import PlanError, engine_blocks, service_config
 from headrace.deploy.plot import plot_metrics, read_metrics
 from headrace.deploy.supervisor import ChildFailed, Supervisor, headrace_argv
 from headrace.shared.auth import token_env
@@ -117,6 +126,35 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
         base = cfg.rollout.engines.base_port
         if not all(port_free(base + i) for i in range(cfg.rollout.engines.count)):
             cfg.rollout.engines.base_port = free_port()  # the fleet probes upward from here
+
+
+def engine_split(cfg: HeadraceConfig) -> list[range]:
+    """The engines each rollout service of the run drives (``run.rollout_services`` blocks of the
+    launched engines, or of ``rollout.engines.urls`` when it lists them); ``ConfigError`` when there
+    are fewer engines than services."""
+    eng = cfg.rollout.engines
+    n, what = (len(eng.urls), "len(rollout.engines.urls)") if eng.urls else (eng.count, "rollout.engines.count")
+    try:
+        return engine_blocks(n, cfg.run.rollout_services, what)
+    except PlanError as e:
+        raise ConfigError(str(e)) from None
+
+
+def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path) -> list[tuple[str, str, Path]]:
+    """(name, URL, config file) of each rollout service: the run's own config when there is one;
+    otherwise ``<out>/rollout<i>.yaml`` per service, with its shard, port and block of the engines."""
+    if len(blocks) == 1:
+        return [("rollout", cfg.rollout.url, config_file)]
+    eng, out = cfg.rollout.engines, []
+    for i, block in enumerate(blocks):
+        port = cfg.rollout.port if i == 0 else free_port(cfg.rollout.host)
+        sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}")
+        if eng.urls:
+            sc.rollout.engines.urls = [eng.urls[j] for j in block]
+        else:
+            sc.rollout.engines.count, sc.rollout.engines.base_port = len(block), eng.base_port + block.start
+        out.append((f"rollout{i}", sc.rollout.url, save_config(sc, Path(cfg.run.out) / f"rollout{i}.yaml")))
+    return out
 
 
 def buffer_argv(config_file: Path) -> list[str]:
@@ -248,6 +286,7 @@ def _fresh_out(path: Path) -> Path:
 def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     cfg, demo = resolve(config_path, out, resume)
     check_full_run(cfg)
+    blocks = engine_split(cfg)
     if not resume and out is None:      # no --out: never refuse, take the next free directory instead
         fresh = _fresh_out(Path(cfg.run.out))
         if fresh != Path(cfg.run.out):
@@ -275,6 +314,10 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     _pick_ports(cfg)
     config_file = save_config(cfg, out_dir / "config.yaml")
+    services = rollout_services(cfg, blocks, config_file)
+    if len(services) > 1:   # the run's config names the services the trainer drives
+        cfg.rollout.extra_urls = [url for _, url, _ in services[1:]]
+        config_file = save_config(cfg, out_dir / "config.yaml")
     print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}) model={cfg.model}",
           flush=True)
     if cfg.rollout.mode == "on_demand" and cfg.rollout.engines.backend == "vllm" and not Path("/dev/nvidia0").exists():
@@ -288,12 +331,14 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
             # (retried while it is down) and the trainer waits for both once its model is built
             # (trainer.loop.wait_for_services), so their starts overlap
             buffer = sup.start("buffer", buffer_argv(config_file))
-            rollout = sup.start("rollout", headrace_argv("rollout", "serve", "--config", str(config_file)))
+            rollouts = [(sup.start(name, headrace_argv("rollout", "serve", "--config", str(file))), url)
+                        for name, url, file in services]
             trainer = sup.start("trainer", headrace_argv("train", "--config", str(config_file),
-                                                         "--rollout-url", cfg.rollout.url),
+                                                         *(a for _, url, _ in services for a in ("--rollout-url", url))),
                                 threads=cfg.trainer.threads or 1, stop_first=True)
             sup.wait_healthy(buffer, f"{cfg.buffer.url}/health", 60)
-            sup.wait_healthy(rollout, f"{cfg.rollout.url}/health", cfg.rollout.engines.startup_timeout_s + 60)
+            for rollout, url in rollouts:
+                sup.wait_healthy(rollout, f"{url}/health", cfg.rollout.engines.startup_timeout_s + 60)
             with _Progress(cfg.trainer.steps, done, read_metrics(metrics_path)) as bar:
                 while trainer.alive():
                     sup.check()

@@ -7,7 +7,12 @@ nothing, so ``headrace launch --dry-run`` and the Ray launcher share it. Guarant
 - colocated: trainer ranks and engines share the same bundles (engine e, TP rank r lives on bundle
   ``e * rollout.engines.tp + r``); disaggregated: trainer bundles come first, rollout bundles after them;
 - an engine's TP ranks never span two nodes, trainer world = ``tp x dp`` = ``run.num_gpus.trainer``;
-- anything infeasible raises ``PlanError`` naming the config keys involved, before anything starts.
+- anything infeasible raises ``PlanError`` naming the config keys involved, before anything starts;
+- ``run.rollout_services`` k > 1: the engines are split into k contiguous blocks whose sizes differ
+  by at most one (``engine_blocks``), engine e is driven by the service whose block holds it (its
+  ``"rollout"`` index in the plan), the services are ``rollout:0`` .. ``rollout:k-1``; each service
+  runs with ``service_config``: its own shard of the prompts (``rollout.data.shard {i, k}``, hence
+  its own cursor file), port and URL. ``headrace run`` splits its engines the same way.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from headrace.shared.config import HeadraceConfig
+from headrace.shared.config import HeadraceConfig, ShardConfig
 
 Placement = Literal["colocated", "disaggregated"]
 
@@ -54,7 +59,31 @@ def _slots(nodes: list[Node]) -> list[tuple[str, int]]:
     return [(n.name, g) for n in sorted(nodes, key=lambda n: n.name) for g in range(n.gpus)]
 
 
-def _assign_engines(bundles: list[Bundle], count: int, engine_tp: int) -> list[dict[str, Any]]:
+def engine_blocks(engines: int, services: int, what: str) -> list[range]:
+    """The engine indices each of ``services`` rollout services drives: contiguous blocks, sizes
+    differing by at most one. ``what`` names where the engine count comes from, for the error."""
+    if services > engines:
+        raise PlanError(f"run.rollout_services ({services}) exceeds the engines ({what} = {engines}): "
+                        "every rollout service needs at least one engine")
+    size, extra = divmod(engines, services)
+    starts = [i * size + min(i, extra) for i in range(services + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(services)]
+
+
+def service_config(cfg: HeadraceConfig, index: int, count: int, port: int, url: str) -> HeadraceConfig:
+    """The config rollout service ``index`` of ``count`` runs with: a copy of the run's, with its
+    shard of the prompts (none when ``count`` is 1), its port and its URL; the caller sets its engines."""
+    c = cfg.model_copy(deep=True)
+    c.run.rollout_services = 1
+    c.rollout.data.shard = ShardConfig(index=index, count=count) if count > 1 else None
+    c.rollout.port = port
+    c.rollout.url = url
+    return c
+
+
+def _assign_engines(bundles: list[Bundle], count: int, engine_tp: int, services: int) -> list[dict[str, Any]]:
+    owner = {e: i for i, block in enumerate(engine_blocks(count, services, "run.num_gpus.rollout / "
+                                                           "rollout.engines.tp")) for e in block}
     engines = []
     for e in range(count):
         members = bundles[e * engine_tp:(e + 1) * engine_tp]
@@ -63,7 +92,8 @@ def _assign_engines(bundles: list[Bundle], count: int, engine_tp: int) -> list[d
                             f"rollout.engines.tp ({engine_tp}) must fit within one node's GPUs")
         for r, b in enumerate(members):
             b.processes.append(f"engine:{e}:tp{r}")
-        engines.append({"engine": e, "bundles": [b.index for b in members], "node": members[0].node})
+        engines.append({"engine": e, "bundles": [b.index for b in members], "node": members[0].node,
+                        "rollout": owner[e]})
     return engines
 
 
@@ -91,8 +121,11 @@ def make_plan(config: HeadraceConfig, placement: Placement, nodes: list[Node]) -
     for rank in range(t):
         bundles[rank].processes.append(f"trainer:{rank}")
     rollout_bundles = bundles[:r] if placement == "colocated" else bundles[t:t + r]
-    engines = _assign_engines(rollout_bundles, r // etp, etp)
-    return Plan(placement=placement, bundles=bundles, trainer={"tp": tp, "dp": dp, "world_size": t}, engines=engines)
+    k = config.run.rollout_services
+    engines = _assign_engines(rollout_bundles, r // etp, etp, k)
+    services = ["buffer", "rollout"] if k == 1 else ["buffer", *(f"rollout:{i}" for i in range(k))]
+    return Plan(placement=placement, bundles=bundles, trainer={"tp": tp, "dp": dp, "world_size": t}, engines=engines,
+                services=services)
 
 
 def assumed_nodes(gpus: int) -> list[Node]:

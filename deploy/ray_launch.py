@@ -5,7 +5,10 @@ order). Every service stays the same command it is everywhere else (``headrace b
 ``headrace engine serve`` or SGLang, ``headrace rollout serve``, ``headrace train``); a Ray actor
 only pins it to its resources and owns its process:
 
-- buffer and rollout service: CPU-only actors pinned to the driver's node;
+- buffer and rollout service: CPU-only actors pinned to the driver's node; with
+  ``run.rollout_services`` k > 1, k rollout services, each attached to its block of the engines
+  with its own shard of the prompts (``deploy.plan.service_config``, ``<out>/rollout<i>.yaml``),
+  and every trainer rank given all their URLs (``--rollout-url`` once per service);
 - engines: one actor per engine, on the bundle of its TP rank 0, with CUDA_VISIBLE_DEVICES set to
   the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL. For
   ``backend: vllm`` the actor runs Headrace's SGLang-API adapter (``rollout.vllm_backend``), which
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes
+from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes, service_config
 from headrace.rollout.vllm_launch import adapter_command
 from headrace.shared.auth import bind_refusal, module_argv, token_env
 from headrace.shared.config import ConfigError, HeadraceConfig, rollout_mode, save_config
@@ -208,10 +211,29 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             run_cfg.trainer.sync_address = where[0]["ip"]
         config_file = save_config(run_cfg, out / "config.yaml")
 
-        rollout = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote("rollout", [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve",
-                                                     "--config", str(config_file)], secret, logs, False)
-        actors.append(rollout)
-        _wait_http(f"{run_cfg.rollout.url}/health", rollout, 300)
+        rollouts = []   # (name, URL, actor) of each rollout service, driving its block of the engines
+        k = cfg.run.rollout_services
+        for i in range(k):
+            name, service_file = ("rollout", config_file) if k == 1 else (f"rollout{i}", out / f"rollout{i}.yaml")
+            if k > 1:
+                port = free_port("0.0.0.0")
+                sc = service_config(run_cfg, i, k, port, f"http://{here if host != '127.0.0.1' else host}:{port}")
+                sc.rollout.engines.urls = [urls[j][0] for j, e in enumerate(plan.engines) if e["rollout"] == i]
+                save_config(sc, service_file)
+                url = sc.rollout.url
+            else:
+                url = run_cfg.rollout.url
+            actor = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote(
+                name, [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve", "--config", str(service_file)],
+                secret, logs, False)
+            actors.append(actor)
+            rollouts.append((name, url, actor))
+        for _, url, actor in rollouts:
+            _wait_http(f"{url}/health", actor, 300)
+        rollout_urls = [a for _, url, _ in rollouts for a in ("--rollout-url", url)]
+        if k > 1:   # the run's config names the services the trainer drives
+            run_cfg.rollout.url, run_cfg.rollout.extra_urls = rollouts[0][1], [u for _, u, _ in rollouts[1:]]
+            config_file = save_config(run_cfg, out / "config.yaml")
 
         master = where[0]["ip"] if host != "127.0.0.1" else "127.0.0.1"
         master_port = str(free_port("0.0.0.0"))
@@ -223,7 +245,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             t = Service.options(num_cpus=0, num_gpus=share,
                                 scheduling_strategy=on(rank)).remote(
                 f"trainer{rank}", [sys.executable, "-m", "headrace.deploy.cli", "train", "--config", str(config_file),
-                                   "--rollout-url", run_cfg.rollout.url], env, logs)
+                                   *rollout_urls], env, logs)
             trainers.append(t)
             actors.append(t)
         while True:
@@ -234,7 +256,7 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
                 raise RuntimeError(f"trainer rank {r} exited with code {c}:\n{ray.get(trainers[r].tail.remote())}")
             if all(c == 0 for c in codes):
                 return 0
-            for name, a in (("buffer", buffer), ("rollout", rollout)):
+            for name, _, a in [("buffer", "", buffer), *rollouts]:
                 c = ray.get(a.poll.remote())
                 if c is not None:
                     raise RuntimeError(f"{name} exited with code {c}:\n{ray.get(a.tail.remote())}")

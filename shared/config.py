@@ -27,8 +27,8 @@ from pydantic import Field, ValidationError, model_validator
 # The sections are part of this module's API (re-exported for ``from headrace.shared.config import TrainerConfig``).
 from headrace.shared.auth import REDACTED, TOKEN_ENV, read_token_file
 from headrace.shared.config_sections import (AuthConfig, BufferConfig, DataConfig, EnginesConfig,  # noqa: F401
-                                             LoRAConfig, NumGpus, RolloutConfig, RunSection, SamplingConfig, TrainerConfig,
-                                             _Section)
+                                             LoRAConfig, NumGpus, RolloutConfig, RunSection, SamplingConfig, ShardConfig,
+                                             TrainerConfig, _Section)
 
 ENV_PREFIX = "HEADRACE_"
 
@@ -77,6 +77,13 @@ def cross_field_problems(cfg: HeadraceConfig) -> list[str]:
     if r.data.path and r.data.task:
         out.append(f"rollout.data.path ({r.data.path!r}) and rollout.data.task ({r.data.task!r}) are both set: "
                    "the prompts come from one of them")
+    if cfg.run.rollout_services > 1 and r.data.shard is not None:
+        out.append(f"run.rollout_services is {cfg.run.rollout_services} and rollout.data.shard is set: the run gives "
+                   "each of its rollout services its shard itself; drop rollout.data.shard")
+    if cfg.run.rollout_services > 1 and r.router == "sglang" and r.engines.router_port is not None:
+        out.append(f"run.rollout_services is {cfg.run.rollout_services} and rollout.engines.router_port is "
+                   f"{r.engines.router_port}: each service starts its own sglang-router, so they cannot share one port; "
+                   "drop rollout.engines.router_port (each then takes a free port)")
     if t.min_lr > t.lr:
         out.append(f"trainer.min_lr ({t.min_lr}) exceeds trainer.lr ({t.lr})")
     if not all(0.0 <= beta < 1.0 for beta in t.betas):

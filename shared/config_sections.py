@@ -425,3 +425,7 @@ class RunSection(_Section):
                             description="evaluate on the held-out prompts every N steps and at step 0 "
                                         "(0: never; needs rollout.data.eval_path or rollout.data.task)")
     num_gpus: NumGpus = Field(default_factory=NumGpus)
+    rollout_services: int = Field(
+        default=1, ge=1, le=1024, description="rollout services the run starts (scale-out: one service drives a "
+        "few hundred GPUs' worth of engines, see bench/fleet_sim.py); the engines are split between them in "
+        "contiguous blocks, each service gets its own rollout.data.shard and port, and the trainer drives them all")

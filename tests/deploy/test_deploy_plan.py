@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from headrace.deploy.plan import Node, PlanError, assumed_nodes, make_plan
+from headrace.deploy.plan import Node, PlanError, assumed_nodes, engine_blocks, make_plan, service_config
 from headrace.shared.config import HeadraceConfig
 from tests.procs import REPO, child_env
 
@@ -43,6 +43,39 @@ def test_bundles_sorted_by_node_and_gpu_and_engines_stay_on_one_node() -> None:
     assert [(b.node, b.gpu) for b in plan.bundles] == [("node-a", 0), ("node-a", 1), ("node-b", 0), ("node-b", 1)]
     with pytest.raises(PlanError, match="span nodes"):
         make_plan(cfg(1, 1, 1, 2, 2), "disaggregated", [Node("a", 2), Node("b", 2)])
+
+
+def test_rollout_services_drive_contiguous_blocks_of_the_engines() -> None:
+    assert engine_blocks(7, 3, "x") == [range(0, 3), range(3, 5), range(5, 7)]
+    assert engine_blocks(4, 4, "x") == [range(i, i + 1) for i in range(4)]
+    assert engine_blocks(5, 1, "x") == [range(0, 5)]
+    c = cfg(1, 4, 4, 10, 2)   # five engines of TP 2
+    c.run.rollout_services = 2
+    plan = make_plan(c, "disaggregated", assumed_nodes(14))
+    assert plan.services == ["buffer", "rollout:0", "rollout:1"]
+    assert [e["rollout"] for e in plan.engines] == [0, 0, 0, 1, 1]
+    assert plan.to_json()["engines"][3] == {"engine": 3, "bundles": [10, 11], "node": "node-0", "rollout": 1}
+    assert make_plan(cfg(1, 1, 1, 1, 1), "colocated", assumed_nodes(1)).services == ["buffer", "rollout"]
+    c.run.rollout_services = 6
+    with pytest.raises(PlanError, match=r"run.rollout_services \(6\) exceeds the engines "
+                                        r"\(run.num_gpus.rollout / rollout.engines.tp = 5\)"):
+        make_plan(c, "disaggregated", assumed_nodes(14))
+
+
+def test_service_config_gives_each_service_its_shard_port_and_url() -> None:
+    c = cfg(1, 1, 1, 2, 1)
+    c.run.rollout_services = 2
+    sc = service_config(c, 1, 2, 8301, "http://h:8301")
+    assert (sc.rollout.data.shard.index, sc.rollout.data.shard.count) == (1, 2)
+    assert (sc.rollout.port, sc.rollout.url, sc.run.rollout_services) == (8301, "http://h:8301", 1)
+    assert c.rollout.data.shard is None and c.run.rollout_services == 2   # the run's config is untouched
+    assert service_config(c, 0, 1, 8300, "http://h:8300").rollout.data.shard is None
+    with pytest.raises(ValueError, match=r"run.rollout_services is 2 and rollout.data.shard is set"):
+        HeadraceConfig.model_validate({"run": {"rollout_services": 2},
+                                       "rollout": {"data": {"shard": {"index": 0, "count": 2}}}})
+    with pytest.raises(ValueError, match=r"rollout.engines.router_port is 31000: each service starts its own"):
+        HeadraceConfig.model_validate({"run": {"rollout_services": 2},
+                                       "rollout": {"router": "sglang", "engines": {"router_port": 31000}}})
 
 
 @pytest.mark.parametrize("c, placement, gpus, match", [

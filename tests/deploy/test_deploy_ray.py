@@ -123,7 +123,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(init_model("tiny-qwen2", tmp_path_factory.mktemp("model") / "tiny-qwen2"))
 
 
-def _run_config(tmp_path: Path, model: Path, placement: str, dp: int) -> HeadraceConfig:
+def _run_config(tmp_path: Path, model: Path, placement: str, dp: int, services: int = 1) -> HeadraceConfig:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(32)))
     tree = {
@@ -133,8 +133,8 @@ def _run_config(tmp_path: Path, model: Path, placement: str, dp: int) -> Headrac
                     "data": {"path": str(prompts)}, "n_samples_per_prompt": 2, "groups_per_step": 2,
                     "max_concurrency": 4, "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match"},
         "trainer": {"steps": STEPS, "lr": 1e-4, "threads": 1, "lease_wait_s": 10, "micro_batch_tokens": 256, "dp": dp},
-        "run": {"placement": placement, "out": str(tmp_path / "run"), "eval_every": 0,
-                "num_gpus": {"trainer": dp, "rollout": 1}},
+        "run": {"placement": placement, "out": str(tmp_path / "run"), "eval_every": 0, "rollout_services": services,
+                "num_gpus": {"trainer": dp, "rollout": services}},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(tree))
@@ -150,24 +150,35 @@ def ray_3gpus() -> Iterator[None]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("placement, dp", [("colocated", 1), ("disaggregated", 2)])
-def test_short_run_on_ray_completes(tmp_path: Path, model_dir: Path, ray_3gpus: None, placement: str, dp: int) -> None:
+@pytest.mark.parametrize("placement, dp, services", [("colocated", 1, 1), ("disaggregated", 2, 1), ("disaggregated", 1, 2)])
+def test_short_run_on_ray_completes(tmp_path: Path, model_dir: Path, ray_3gpus: None, placement: str, dp: int,
+                                    services: int) -> None:
     """colocated: trainer rank and engine share one bundle (0.5 GPU each), rollout on demand;
     disaggregated: two trainer-rank actors (DP=2, gloo group over MASTER_ADDR/PORT) on two bundles,
-    the engine on a third."""
+    the engine on a third; and one trainer rank with two engines, each driven by its own rollout
+    service (``run.rollout_services: 2``: own shard, own config file, both URLs given to the trainer)."""
     from headrace.deploy.ray_launch import launch_on_ray
 
-    c = _run_config(tmp_path, model_dir, placement, dp)
+    c = _run_config(tmp_path, model_dir, placement, dp, services)
     assert launch_on_ray(c, placement) == 0   # type: ignore[arg-type]
     out = tmp_path / "run"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows if r.get("loss") is not None]
     assert steps == list(range(1, STEPS + 1)), rows
     resolved = load_config(out / "config.yaml")
-    assert resolved.rollout.engines.backend == "external" and len(resolved.rollout.engines.urls) == 1
+    assert resolved.rollout.engines.backend == "external" and len(resolved.rollout.engines.urls) == services
     assert resolved.rollout.mode == ("on_demand" if placement == "colocated" else "continuous")
     logs = {p.name for p in (out / "logs").iterdir()}
-    assert {"buffer.log", "engine0.log", "rollout.log"} | {f"trainer{r}.log" for r in range(dp)} <= logs, logs
+    rollout_logs = {"rollout.log"} if services == 1 else {f"rollout{i}.log" for i in range(services)}
+    assert ({"buffer.log"} | rollout_logs | {f"engine{e}.log" for e in range(services)}
+            | {f"trainer{r}.log" for r in range(dp)}) <= logs, logs
+    if services > 1:   # each service attached to its own engine, with its shard; the trainer drove them all
+        shards = [load_config(out / f"rollout{i}.yaml").rollout for i in range(services)]
+        assert [(s.data.shard.index, s.data.shard.count) for s in shards] == [(i, services) for i in range(services)]
+        assert [s.engines.urls for s in shards] == [[u] for u in resolved.rollout.engines.urls]
+        assert [resolved.rollout.url, *resolved.rollout.extra_urls] == [s.url for s in shards]
+        text = (out / "logs" / "trainer0.log").read_text()
+        assert f"weight-sync group joined by {services} engine(s) of {services} rollout service(s)" in text, text[-3000:]
     for r in range(dp):   # each actor ran exactly one rank of a job of size dp
         text = (out / "logs" / f"trainer{r}.log").read_text()
         assert f"headrace train: done at step {STEPS}" in text, text[-3000:]
