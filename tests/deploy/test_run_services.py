@@ -6,7 +6,8 @@ Checked: the run finishes its steps with evaluations; each service ran from its 
 ``<out>/rollout<i>.yaml`` (its shard of the prompts, its port, one engine each, ports counting up
 from the run's ``base_port``) and logged to its own file; the trainer drove both (one weight-sync
 group over both services' engines, ``rollout.url`` / ``extra_urls`` in config.yaml); the buffer
-stored groups of both shards, none twice; the two cursors are per shard and disjoint. And the
+stored groups of both shards, none twice; the two cursors are per shard and disjoint; ``--resume``
+carries on with both shards (still no prompt twice). And the
 failure before anything starts: more services than engines, or a shard set by hand next to
 ``run.rollout_services``, is exit 2 naming the keys, nothing written. Cost: ~1-2 min on the 2-core
 machine.
@@ -92,6 +93,20 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
         cursors.append({g for g in range(cursor["watermark"]) if g % PROMPTS % 2 == i} | set(cursor["done"]))
     assert cursors[0] and cursors[1] and not cursors[0] & cursors[1]
     assert not (out / "rollout_state.json").exists()
+
+    # resumed with two more steps: the same shards carry on from their cursors, no prompt drawn twice
+    env = child_env(HEADRACE_TRAINER__STEPS=str(STEPS + 2))
+    r = subprocess.run(headrace_cmd("run", "--resume", str(out)), cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=800)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [x["step"] for x in rows if x.get("loss") is not None] == list(range(1, STEPS + 3))
+    with sqlite3.connect(out / "buffer.sqlite") as db:
+        again = [g for (g,) in db.execute("SELECT group_id FROM groups")]
+    slots = [tuple(map(int, re.search(r"-e(\d+)-g(\d+)$", g).groups())) for g in again]
+    assert len(again) > len(groups) and len(slots) == len(set(slots)), again
+    for i in (0, 1):
+        assert yaml.safe_load((out / f"rollout{i}.yaml").read_text())["rollout"]["data"]["shard"]["index"] == i
 
 
 def test_more_rollout_services_than_engines_fails_before_any_process(tmp_path: Path, tiny_model: Path) -> None:
