@@ -9,8 +9,11 @@ its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
   all (rank offsets continue across services); an engine listed by two services is an error
   naming both; ``service_of(engine_url)`` says which service an engine belongs to, for errors;
 - ``status()`` merges the services' ``engines`` (each tagged with its ``service``);
-- ``generate_batch(n)`` (on-demand) splits ``n`` groups over the services (the lower indexes get
-  one more when it does not divide), so a step still gets ``n`` groups;
+- ``generate_batch(n)`` (on-demand) splits ``n`` groups over the services in proportion to their
+  engines at the last ``engines()`` listing (made first if there was none), so that services with
+  unequal blocks of engines finish together, and a step still gets ``n`` groups (largest
+  remainders, ties to the lower index; services listing no engine get none unless none lists any,
+  then the split is even);
 - ``evaluate`` asks the first service only: every service holds the same held-out prompts
   (sharding splits only the training prompts) and the weights are the same version everywhere.
 With one service every call goes straight to its client.
@@ -39,6 +42,7 @@ class RolloutServices:
         self.clients = [RolloutClient(u, timeout=timeout, token=token) for u in cleaned]
         self._pool = ThreadPoolExecutor(len(cleaned), "rollout-fanout") if len(cleaned) > 1 else None
         self._service_of: dict[str, str] = {}
+        self._engine_counts: list[int] | None = None   # engines per service at the last engines()
 
     def _each(self, what: str, call: Callable[[RolloutClient, int], Any]) -> list[Any]:
         """``call(client, index)`` for every service, concurrently; the answers in service order."""
@@ -74,6 +78,7 @@ class RolloutServices:
                 owner[e.url] = url
                 out.append(e)
         self._service_of = owner
+        self._engine_counts = [sum(1 for u in owner.values() if u == url) for url in self.urls]
         return out
 
     def service_of(self, engine_url: str) -> str | None:
@@ -99,8 +104,11 @@ class RolloutServices:
         return {"engines": sum(int((a or {}).get("engines", 0)) for a in answers), "services": answers}
 
     def generate_batch(self, groups: int) -> dict[str, Any]:
-        k = len(self.clients)
-        shares = [groups // k + (1 if i < groups % k else 0) for i in range(k)]
+        if len(self.clients) == 1:
+            return self.clients[0].generate_batch(groups)
+        if self._engine_counts is None:
+            self.engines()
+        shares = split_groups(groups, self._engine_counts or [])
         return self._merge(self._each("generate_batch",
                                       lambda c, i: c.generate_batch(shares[i]) if shares[i] else {}))
 
@@ -115,3 +123,15 @@ class RolloutServices:
             c.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def split_groups(groups: int, weights: Sequence[int]) -> list[int]:
+    """``groups`` split in proportion to ``weights`` (largest remainders, ties to the lower index);
+    an even split when every weight is 0."""
+    w = list(weights) if any(weights) else [1] * len(weights)
+    total = sum(w)
+    shares = [groups * x // total for x in w]
+    order = sorted(range(len(w)), key=lambda i: (-(groups * w[i] % total), i))
+    for i in order[:groups - sum(shares)]:
+        shares[i] += 1
+    return shares

@@ -1,8 +1,8 @@
 """``RolloutServices`` (the trainer's several rollout services as one) and ``EngineControl`` over it,
 against real HTTP servers on loopback that answer the rollout control API (no engines, no model):
 every phase reaches every service, engines are listed in service order, an engine listed twice
-and a failing service are errors naming the service, on-demand batches are split, a weight-sync
-failure names the engine and its service."""
+and a failing service are errors naming the service, on-demand batches are split as the services'
+engines, a weight-sync failure names the engine and its service."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from headrace.shared.config import HeadraceConfig
 from headrace.shared.rollout_client import RolloutError
 from headrace.shared.weight_sync import WeightSyncError
 from headrace.trainer.rollout_control import EngineControl, build_rollout_control
-from headrace.trainer.rollout_services import RolloutServices
+from headrace.trainer.rollout_services import RolloutServices, split_groups
 
 
 class FakeService:
@@ -79,16 +79,33 @@ def test_every_phase_reaches_every_service(two) -> None:
         rs.pause("abort")
         rs.resume(3)
         assert rs.load_adapter("/x", 3)["engines"] == 3
-        rs.generate_batch(5)                                                  # 3 + 2: the step gets 5
+        rs.generate_batch(5)                        # 2 + 3, as their engines (1 and 2): the step gets 5
         assert [e["service"] for e in rs.status()["engines"]] == [a.url, b.url, b.url]
         rs.evaluate()
     finally:
         rs.close()
     posts = lambda s: [c for c in s.calls if c.startswith("/")]              # noqa: E731
     assert posts(a)[1:5] == ['/v1/pause {"mode": "abort"}', '/v1/resume {"weight_version": 3}',
-                             '/v1/load_adapter {"path": "/x", "weight_version": 3}', '/v1/generate_batch {"groups": 3}']
-    assert '/v1/generate_batch {"groups": 2}' in posts(b)
+                             '/v1/load_adapter {"path": "/x", "weight_version": 3}', '/v1/generate_batch {"groups": 2}']
+    assert '/v1/generate_batch {"groups": 3}' in posts(b)
     assert any(c.startswith("/v1/evaluate") for c in a.calls) and not any(c.startswith("/v1/evaluate") for c in b.calls)
+
+
+def test_on_demand_groups_follow_each_services_engines(two) -> None:
+    """Unequal blocks of engines (5 engines over 2 services: 3 + 2) finish a step together when the
+    groups follow the engines; before any engine listing the split lists them first."""
+    assert split_groups(7, [3, 2]) == [4, 3] and split_groups(16, [3, 2]) == [10, 6]
+    assert split_groups(5, [1, 1]) == [3, 2] and split_groups(1, [1, 2]) == [0, 1]
+    assert split_groups(4, [0, 3]) == [0, 4] and split_groups(4, [0, 0]) == [2, 2] and split_groups(0, [1, 1]) == [0, 0]
+    a, b = two
+    rs = RolloutServices([a.url, b.url])
+    try:
+        rs.generate_batch(1)            # no listing yet: made now; b has 2 of the 3 engines
+    finally:
+        rs.close()
+    assert "/v1/engines" in a.calls and "/v1/engines" in b.calls
+    assert not any(c.startswith("/v1/generate_batch") for c in a.calls)
+    assert '/v1/generate_batch {"groups": 1}' in b.calls
 
 
 def test_a_failing_service_is_named_after_every_service_was_called(two) -> None:
