@@ -128,12 +128,19 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
             cfg.rollout.engines.base_port = free_port()  # the fleet probes upward from here
 
 
+def _attached(cfg: HeadraceConfig) -> bool:
+    """The rollout attaches to ``rollout.engines.urls`` (external engines, or vLLM servers given by
+    URL) rather than launching ``rollout.engines.count`` engines (as ``rollout.fleet`` decides)."""
+    eng = cfg.rollout.engines
+    return eng.backend == "external" or (eng.backend == "vllm" and bool(eng.urls))
+
+
 def engine_split(cfg: HeadraceConfig) -> list[range]:
     """The engines each rollout service of the run drives (``run.rollout_services`` blocks of the
-    launched engines, or of ``rollout.engines.urls`` when it lists them); ``ConfigError`` when there
-    are fewer engines than services."""
+    launched engines, or of ``rollout.engines.urls`` when the rollout attaches to those);
+    ``ConfigError`` when there are fewer engines than services."""
     eng = cfg.rollout.engines
-    n, what = (len(eng.urls), "len(rollout.engines.urls)") if eng.urls else (eng.count, "rollout.engines.count")
+    n, what = (len(eng.urls), "len(rollout.engines.urls)") if _attached(cfg) else (eng.count, "rollout.engines.count")
     try:
         return engine_blocks(n, cfg.run.rollout_services, what)
     except PlanError as e:
@@ -149,7 +156,7 @@ def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path
     for i, block in enumerate(blocks):
         port = cfg.rollout.port if i == 0 else free_port(cfg.rollout.host)
         sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}")
-        if eng.urls:
+        if _attached(cfg):
             sc.rollout.engines.urls = [eng.urls[j] for j in block]
         else:
             sc.rollout.engines.count, sc.rollout.engines.base_port = len(block), eng.base_port + block.start
