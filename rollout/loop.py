@@ -22,7 +22,10 @@ Guarantees:
 - Each sample's ``weight_version`` is the oldest version that produced any of its tokens (the
   context tracks it across partial-rollout resumes and multi-turn calls).
 - Continuous mode admits a new group only while buffer (queued + leased) + groups in flight here
-  < (max_staleness + 1) x groups_per_step. on_demand mode generates only inside ``generate_batch``.
+  < (max_staleness + 1) x groups_per_step; with k services on the buffer (``data.shard``) each
+  admits against its share of that cap and of the backlog (``shared.staleness.admits``), so
+  together they stay within it while they push at the same pace, and below twice it in any case.
+  on_demand mode generates only inside ``generate_batch``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
 from headrace.shared.schemas import Group, Sample, SampleStatus
-from headrace.shared.staleness import admission_cap
+from headrace.shared.staleness import admission_cap, admits
+from headrace.shared.staleness import admission_share as share_of_cap
 
 log = logging.getLogger("headrace.rollout")
 REWARD_SLICE_S = 0.002  # plain (sync) rewards run inline; after this long the loop gets a turn between samples
@@ -272,6 +276,17 @@ class RolloutLoop:
     def admission_cap(self) -> int:
         return admission_cap(self.cfg.buffer.max_staleness, self.rc.groups_per_step)
 
+    @property
+    def _shard(self) -> tuple[int, int]:
+        """(index, count) of this service among those sharing the buffer (``rollout.data.shard``)."""
+        shard = self.rc.data.shard
+        return (shard.index, shard.count) if shard is not None else (0, 1)
+
+    @property
+    def admission_share(self) -> int:
+        """This service's share of ``admission_cap`` (all of it unless the buffer is shared)."""
+        return share_of_cap(self.admission_cap, *self._shard)
+
     async def poll_stats(self) -> None:
         """Keep ``backlog`` = buffer queued + leased-not-held (continuous mode's admission input)."""
         while True:
@@ -290,7 +305,7 @@ class RolloutLoop:
         """Generate ahead while the admission rule allows; pause stops admitting."""
         while True:
             await self.gate.wait_open()
-            if self.backlog + self.groups_in_flight >= self.admission_cap:
+            if not admits(self.backlog, self.groups_in_flight, self.admission_cap, *self._shard):
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.rc.stats_interval_s)

@@ -263,6 +263,7 @@ class RolloutService:
             "produced": loop.counts["groups_pushed"], "counts": loop.counts,
             "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},
             "buffer_backlog": loop.backlog, "admission_cap": loop.admission_cap,
+            "admission_share": loop.admission_share,
             "generate_requests": self.engine.transport.requests, "sequences_sent": self.engine.transport.sequences,
             "refused_batches": self.engine.transport.refused_batches,
             "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),

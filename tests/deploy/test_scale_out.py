@@ -138,3 +138,52 @@ def test_two_sharded_rollout_services_feed_one_buffer_and_one_trainer(tmp_path: 
         finished.append(mine)
     assert not finished[0] & finished[1]
     assert not state.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(tmp_path: Path, tiny_model: Path) -> None:
+    """No trainer consumes: each service generates ahead until the admission rule stops it. With
+    the cap counted per service (as one service alone does) two of them filled the buffer to twice
+    the cap; with their shares of it (``shared.staleness.admits``) they stop below that."""
+    cap = 2 * GROUPS * 2          # (max_staleness 1 + 1) x groups_per_step (GROUPS * 2)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, label=lambda i: str(i + 1))
+    pb = free_port()
+    buffer_url = f"http://127.0.0.1:{pb}"
+    ports = [free_port(), free_port()]
+    procs: list[Proc] = []
+    try:
+        buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(pb), "--db", str(tmp_path / "buffer.sqlite"),
+                                   "--max-staleness", "1"), tmp_path / "buffer.log")
+        procs.append(buffer)
+        buffer.wait_http(f"{buffer_url}/health", 60)
+        for index, port in enumerate(ports):
+            config = tmp_path / f"run{index}.yaml"
+            config.write_text(yaml.safe_dump({
+                "model": str(tiny_model), "buffer": {"url": buffer_url, "max_staleness": 1},
+                "rollout": {"engines": {"backend": "reference", "count": 1, "base_port": free_port()},
+                            "data": {"path": str(prompts), "shard": {"index": index, "count": 2}},
+                            "n_samples_per_prompt": 2, "groups_per_step": GROUPS * 2, "mode": "continuous",
+                            "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match",
+                            "state_path": str(tmp_path / "rollout_state.json"), "stats_interval_s": 0.1},
+                "run": {"out": str(tmp_path / "run")}}))
+            procs.append(Proc(headrace_cmd("rollout", "serve", "--config", str(config), "--port", str(port)),
+                              tmp_path / f"rollout{index}.log"))
+        services = [f"http://127.0.0.1:{p}" for p in ports]
+        for p, url in zip(procs[1:], services):
+            p.wait_http(f"{url}/health", 240)
+        last, still, deadline = -1, 0, time.monotonic() + 300
+        while still < 10:                 # settled: nothing in flight, the buffer unchanged for ~2 s
+            assert time.monotonic() < deadline, [p.log()[-2000:] for p in procs]
+            statuses = [httpx.get(f"{u}/v1/status", timeout=30).json() for u in services]
+            queued = httpx.get(f"{buffer_url}/v1/stats", timeout=30).json()["queued"]
+            idle = all(st["groups_in_flight"] == 0 for st in statuses)
+            still = still + 1 if idle and queued == last else 0
+            last = queued
+            time.sleep(0.2)
+        assert [(st["admission_cap"], st["admission_share"]) for st in statuses] == [(cap, cap // 2)] * 2
+        assert all(st["produced"] > 0 for st in statuses), statuses
+        assert cap <= queued < 2 * cap, (queued, [st["produced"] for st in statuses])
+    finally:
+        for p in reversed(procs):
+            p.stop()
