@@ -343,14 +343,21 @@ class RolloutLoop:
             return {"groups": pushed, "requested": n, "prompts_drawn": drawn, "complete": pushed >= n,
                     "data_exhausted": exhausted, "seconds": round(time.monotonic() - t0, 3)}
 
-    async def evaluate(self, limit: int | None = None) -> dict[str, Any]:
+    async def evaluate(self, limit: int | None = None, part: tuple[int, int] | None = None) -> dict[str, Any]:
         """One sample per held-out prompt with ``eval_sampling`` (greedy by default), scored; nothing
-        is pushed. ``score`` is pass@1 (reward >= 1), ``reward_mean`` the mean reward (failed = 0)."""
+        is pushed. ``score`` is pass@1 (reward >= 1), ``reward_mean`` the mean reward (failed = 0).
+        ``part`` (i, k): only prompts i, i + k, ... of the first ``limit`` (one of k services' share;
+        each keeps its position, hence its uid); a part with no prompt answers ``n`` 0."""
         from headrace.rollout.data import load_items
 
-        items = load_items(self.rc.data, eval=True)[: limit or None]
-        if not items:
+        everything = load_items(self.rc.data, eval=True)
+        if not everything:
             raise ValueError("no evaluation prompts: set rollout.data.eval_path or use a data.task")
+        first, step = part or (0, 1)
+        indexed = list(enumerate(everything[: limit or None]))[first::step]
+        if not indexed:
+            return {"n": 0, "score": 0.0, "pass_at_1": 0.0, "reward_mean": 0.0, "failed": 0,
+                    "weight_version": self.gate.version}
         sampling = self.rc.eval_sampling.to_sglang()
 
         async def one(i: int, triple: tuple[Any, Any, dict[str, Any]]) -> Sample:
@@ -360,7 +367,7 @@ class RolloutLoop:
                                  metadata={}, weight_version=self.gate.version)
             return (await self._sample(base, sampling))[0]
 
-        samples = await asyncio.gather(*(one(i, t) for i, t in enumerate(items)))
+        samples = await asyncio.gather(*(one(i, t) for i, t in indexed))
         rewards = [s.reward if s.reward is not None else 0.0 for s in samples]
         mean = sum(rewards) / len(rewards)
         pass1 = sum(r >= 1.0 for r in rewards) / len(rewards)

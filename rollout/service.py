@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Literal
 import httpx
 import orjson
 from fastapi import FastAPI, HTTPException
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headrace.rollout.adapters import AdapterError, AdapterSync
 from headrace.rollout.data import DataSource
@@ -90,6 +90,14 @@ class MemoryRequest(_Body):
 
 class EvalRequest(_Body):
     n: int | None = Field(default=None, ge=1, le=10_000_000, description="first n held-out prompts (default all)")
+    part: list[int] | None = Field(default=None, min_length=2, max_length=2, description="[i, k]: only prompts "
+                                   "i, i + k, ... of those (the trainer's split over k rollout services)")
+
+    @model_validator(mode="after")
+    def _part_in_range(self) -> "EvalRequest":
+        if self.part is not None and not (1 <= self.part[1] <= 100_000 and 0 <= self.part[0] < self.part[1]):
+            raise ValueError(f"part {list(self.part)}: need [i, k] with 1 <= k <= 100000 and 0 <= i < k")
+        return self
 
 
 def load_tokenizer(model_dir: str) -> Any:
@@ -350,7 +358,7 @@ def create_app(cfg: HeadraceConfig, launch_engines: bool = False) -> FastAPI:
     @app.post("/v1/evaluate")
     async def evaluate(req: EvalRequest) -> dict[str, Any]:
         try:
-            return await svc.loop.evaluate(req.n)
+            return await svc.loop.evaluate(req.n, (req.part[0], req.part[1]) if req.part else None)
         except ValueError as e:
             raise HTTPException(400, str(e)) from None
 

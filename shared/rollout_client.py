@@ -70,9 +70,10 @@ class RolloutClient:
     def resume_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self._call("POST", "/v1/resume_memory", {"tags": tags or ["weights", "kv_cache"]})
 
-    def evaluate(self, n: int | None = None) -> dict[str, Any]:
-        """Score the current policy on the held-out prompts: ``{"score", "reward_mean", "n", ...}``."""
-        return self._call("POST", "/v1/evaluate", {"n": n}, retry=False)
+    def evaluate(self, n: int | None = None, part: tuple[int, int] | None = None) -> dict[str, Any]:
+        """Score the current policy on the held-out prompts: ``{"score", "reward_mean", "n", ...}``;
+        ``part`` (i, k): on prompts i, i + k, ... of them only."""
+        return self._call("POST", "/v1/evaluate", {"n": n, **({"part": list(part)} if part else {})}, retry=False)
 
     def close(self) -> None:
         self._http.close()

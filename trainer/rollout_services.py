@@ -14,8 +14,11 @@ its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
   unequal blocks of engines finish together, and a step still gets ``n`` groups (largest
   remainders, ties to the lower index; services listing no engine get none unless none lists any,
   then the split is even);
-- ``evaluate`` asks the first service only: every service holds the same held-out prompts
-  (sharding splits only the training prompts) and the weights are the same version everywhere.
+- ``evaluate`` splits the held-out prompts over the services (prompts i, i + k, ... to service i:
+  every service holds all of them, since sharding splits only the training prompts, and the
+  weights are one version everywhere), so every engine takes part; the answer is the whole set's
+  (``n`` summed, ``score`` and ``reward_mean`` weighted by each part's ``n``, ``failed`` summed,
+  ``weight_version`` the oldest).
 With one service every call goes straight to its client.
 """
 
@@ -113,7 +116,10 @@ class RolloutServices:
                                       lambda c, i: c.generate_batch(shares[i]) if shares[i] else {}))
 
     def evaluate(self, n: int | None = None) -> dict[str, Any]:
-        return self.clients[0].evaluate(n)
+        k = len(self.clients)
+        if k == 1:
+            return self.clients[0].evaluate(n)
+        return merge_evaluations(self._each("evaluate", lambda c, i: c.evaluate(n, (i, k))))
 
     def _merge(self, answers: list[Any]) -> dict[str, Any]:
         return answers[0] if len(answers) == 1 else {"services": dict(zip(self.urls, answers))}
@@ -123,6 +129,20 @@ class RolloutServices:
             c.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+
+
+def merge_evaluations(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation of the whole held-out set from its parts' answers (see the module docstring)."""
+    n = sum(int(p["n"]) for p in parts)
+    scored = [p for p in parts if int(p["n"]) > 0]
+
+    def mean(key: str) -> float:
+        return sum(float(p[key]) * int(p["n"]) for p in scored) / n if n else 0.0
+
+    return {"n": n, "score": mean("score"), "pass_at_1": mean("score"), "reward_mean": mean("reward_mean"),
+            "failed": sum(int(p.get("failed", 0)) for p in parts),
+            "weight_version": min((p["weight_version"] for p in scored), default=parts[0].get("weight_version")),
+            "parts": len(parts)}
 
 
 def split_groups(groups: int, weights: Sequence[int]) -> list[int]:

@@ -2,7 +2,8 @@
 loopback: buffer, two rollout services (each launching one reference engine of the run's two),
 trainer.
 
-Checked: the run finishes its steps with evaluations; each service ran from its own
+Checked: the run finishes its steps with evaluations (each over every held-out prompt, split
+between the services); each service ran from its own
 ``<out>/rollout<i>.yaml`` (its shard of the prompts, its port, one engine each, ports counting up
 from the run's ``base_port``) and logged to its own file; the trainer drove both (one weight-sync
 group over both services' engines, ``rollout.url`` / ``extra_urls`` in config.yaml); the buffer
@@ -66,6 +67,7 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [x["step"] for x in rows if x.get("loss") is not None] == list(range(1, STEPS + 1))
     assert [x["step"] for x in rows if x.get("eval_score") is not None] == [0, 2, 3]
+    assert all(x["eval_n"] == PROMPTS for x in rows if x.get("eval_score") is not None), rows   # both halves
     run_cfg = yaml.safe_load((out / "config.yaml").read_text())
     base = run_cfg["rollout"]["engines"]["base_port"]
     urls = []

@@ -64,6 +64,10 @@ BAD = [
     ("/v1/pause", {"timeout_s": "5"}, "timeout_s"),
     ("/v1/release_memory", {"tags": ["gpu"]}, "tags"),
     ("/v1/evaluate", {"n": "all"}, "n"),
+    ("/v1/evaluate", {"part": [2, 2]}, "part"),
+    ("/v1/evaluate", {"part": [0, 0]}, "part"),
+    ("/v1/evaluate", {"part": [1]}, "part"),
+    ("/v1/evaluate", {"part": ["0", 2]}, "part"),
 ]
 
 

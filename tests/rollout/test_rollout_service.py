@@ -146,6 +146,10 @@ def test_reasoning_gym_task_source_reward_and_evaluate(tmp_path: Path, tiny_mode
             assert x.label["task"] == "chain_sum" and x.reward in (0.0, 1.0) and x.status != "failed"
     ev = s.post("/v1/evaluate", {"n": 4}).json()
     assert ev["n"] == 4 and 0.0 <= ev["score"] <= 1.0 and ev["failed"] == 0
+    # the parts a trainer with several rollout services asks for: prompts 0, 2, 4 and 1, 3 of the first 5
+    parts = [s.post("/v1/evaluate", {"n": 5, "part": [i, 2]}).json() for i in (0, 1)]
+    assert [p["n"] for p in parts] == [3, 2] and all(0.0 <= p["score"] <= 1.0 for p in parts)
+    assert s.post("/v1/evaluate", {"n": 1, "part": [1, 2]}).json()["n"] == 0   # a part with no prompt
     assert s.buffer_stats()["queued"] == 0  # evaluation pushes nothing
 
 

@@ -51,6 +51,12 @@ class FakeService:
                 owner.calls.append(f"{self.path} {json.dumps(body, sort_keys=True)}")
                 if self.path in owner.fail:
                     return self._answer({"detail": "engine http://e: boom"}, 500)
+                if self.path == "/v1/evaluate":   # 10 held-out prompts (or the first n); the even ones pass
+                    i, k = body.get("part") or (0, 1)
+                    mine = range(i, body.get("n") or 10, k)
+                    passed = sum(1 for j in mine if j % 2 == 0) / max(1, len(mine))
+                    return self._answer({"n": len(mine), "score": passed, "reward_mean": passed, "failed": i,
+                                         "weight_version": 3 + i})
                 self._answer({"engines": len(owner.engines)} if self.path == "/v1/load_adapter" else {})
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -81,14 +87,21 @@ def test_every_phase_reaches_every_service(two) -> None:
         assert rs.load_adapter("/x", 3)["engines"] == 3
         rs.generate_batch(5)                        # 2 + 3, as their engines (1 and 2): the step gets 5
         assert [e["service"] for e in rs.status()["engines"]] == [a.url, b.url, b.url]
-        rs.evaluate()
+        ev = rs.evaluate()                         # prompts 0, 2, .. to a (all pass), 1, 3, .. to b (none)
+        assert (ev["n"], ev["score"], ev["reward_mean"], ev["failed"], ev["weight_version"]) == (10, 0.5, 0.5, 1, 3)
     finally:
         rs.close()
     posts = lambda s: [c for c in s.calls if c.startswith("/")]              # noqa: E731
     assert posts(a)[1:5] == ['/v1/pause {"mode": "abort"}', '/v1/resume {"weight_version": 3}',
                              '/v1/load_adapter {"path": "/x", "weight_version": 3}', '/v1/generate_batch {"groups": 2}']
     assert '/v1/generate_batch {"groups": 3}' in posts(b)
-    assert any(c.startswith("/v1/evaluate") for c in a.calls) and not any(c.startswith("/v1/evaluate") for c in b.calls)
+    assert '/v1/evaluate {"n": null, "part": [0, 2]}' in a.calls and '/v1/evaluate {"n": null, "part": [1, 2]}' in b.calls
+    single = RolloutServices([a.url])
+    try:
+        assert single.evaluate(4)["n"] == 4                                  # one service: the whole set
+    finally:
+        single.close()
+    assert '/v1/evaluate {"n": 4}' in a.calls
 
 
 def test_on_demand_groups_follow_each_services_engines(two) -> None:
