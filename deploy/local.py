@@ -325,8 +325,8 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     if len(services) > 1:   # the run's config names the services the trainer drives
         cfg.rollout.extra_urls = [url for _, url, _ in services[1:]]
         config_file = save_config(cfg, out_dir / "config.yaml")
-    print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}) model={cfg.model}",
-          flush=True)
+    print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}"
+          + (f", {len(services)} rollout services" if len(services) > 1 else "") + f") model={cfg.model}", flush=True)
     if cfg.rollout.mode == "on_demand" and cfg.rollout.engines.backend == "vllm" and not Path("/dev/nvidia0").exists():
         print("headrace run: vLLM engines on CPU: releasing their memory between phases (vLLM's /sleep) frees "
               "nothing here (it is GPU-only); engines and trainer share this machine's RAM", flush=True)

@@ -63,6 +63,7 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
     config, out = _config(tmp_path, tiny_model, rollout_services=2)
     r = _headrace_run(config, 800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "(rollout on_demand, 2 rollout services)" in r.stdout, r.stdout[:2000]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [x["step"] for x in rows if x.get("loss") is not None] == list(range(1, STEPS + 1))
