@@ -50,6 +50,7 @@ stopped (by pid, its whole process group) on exit, error or Ctrl-C; Ctrl-C exits
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -162,6 +163,21 @@ def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path
             sc.rollout.engines.count, sc.rollout.engines.base_port = len(block), eng.base_port + block.start
         out.append((f"rollout{i}", sc.rollout.url, save_config(sc, Path(cfg.run.out) / f"rollout{i}.yaml")))
     return out
+
+
+def check_cursor_layout(cfg: HeadraceConfig) -> None:
+    """On resume: ``ConfigError`` when the run's data cursors were written by another number of
+    rollout services than ``run.rollout_services`` (the shards' prompts would be drawn anew)."""
+    path = Path(cfg.rollout.state_path or Path(cfg.run.out) / "rollout_state.json")
+    found = {1} if path.exists() else set()
+    pattern = re.compile(rf"{re.escape(path.stem)}\.shard\d+of(\d+){re.escape(path.suffix)}")
+    if path.parent.is_dir():
+        found |= {int(m.group(1)) for f in path.parent.iterdir() if (m := pattern.fullmatch(f.name))}
+    k = cfg.run.rollout_services
+    if found and k not in found:
+        raise ConfigError(f"run.rollout_services is {k} but the run's data cursors in {path.parent} were written by "
+                          f"{' or '.join(map(str, sorted(found)))} rollout service(s); resume with that many "
+                          f"(HEADRACE_RUN__ROLLOUT_SERVICES={max(found)}), or each shard would draw its prompts anew")
 
 
 def buffer_argv(config_file: Path) -> list[str]:
@@ -309,6 +325,7 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     metrics_path = out_dir / "metrics.jsonl"
     done = checkpoint_step(Path(cfg.trainer.checkpoint_dir)) or 0
     if resume:
+        check_cursor_layout(cfg)
         dropped = trim_metrics(metrics_path, done)
         print(f"headrace run: resuming {out_dir} at step {done} of {cfg.trainer.steps}"
               + (f" ({dropped} metrics rows after the checkpoint dropped)" if dropped else ""), flush=True)

@@ -8,7 +8,8 @@ between the services); each service ran from its own
 from the run's ``base_port``) and logged to its own file; the trainer drove both (one weight-sync
 group over both services' engines, ``rollout.url`` / ``extra_urls`` in config.yaml); the buffer
 stored groups of both shards, none twice; the two cursors are per shard and disjoint; ``--resume``
-carries on with both shards (still no prompt twice). And the
+carries on with both shards (still no prompt twice), and is refused with another number of
+services. And the
 failure before anything starts: more services than engines, or a shard set by hand next to
 ``run.rollout_services``, is exit 2 naming the keys, nothing written. Cost: ~1-2 min on the 2-core
 machine.
@@ -110,6 +111,11 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
     assert len(again) > len(groups) and len(slots) == len(set(slots)), again
     for i in (0, 1):
         assert yaml.safe_load((out / f"rollout{i}.yaml").read_text())["rollout"]["data"]["shard"]["index"] == i
+    # resumed with another number of services: refused before anything starts (the cursors are per shard)
+    r = subprocess.run(headrace_cmd("run", "--resume", str(out)), cwd=REPO, capture_output=True, text=True,
+                       env=child_env(HEADRACE_TRAINER__STEPS=str(STEPS + 4), HEADRACE_RUN__ROLLOUT_SERVICES="1"),
+                       timeout=120)
+    assert r.returncode == 2 and "run.rollout_services is 1" in r.stderr and "written by 2" in r.stderr, r.stderr
 
 
 def test_more_rollout_services_than_engines_fails_before_any_process(tmp_path: Path, tiny_model: Path) -> None:
