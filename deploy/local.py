@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from headrace.deploy.plan import PlanError, engine_blocks, service_config
+from headrace.deploy.plan import PlanError, attached, engine_blocks, rollout_services
 from headrace.deploy.plot import plot_metrics, read_metrics
 from headrace.deploy.supervisor import ChildFailed, Supervisor, headrace_argv
 from headrace.shared.auth import token_env
@@ -129,40 +129,16 @@ def _pick_ports(cfg: HeadraceConfig) -> None:
             cfg.rollout.engines.base_port = free_port()  # the fleet probes upward from here
 
 
-def _attached(cfg: HeadraceConfig) -> bool:
-    """The rollout attaches to ``rollout.engines.urls`` (external engines, or vLLM servers given by
-    URL) rather than launching ``rollout.engines.count`` engines (as ``rollout.fleet`` decides)."""
-    eng = cfg.rollout.engines
-    return eng.backend == "external" or (eng.backend == "vllm" and bool(eng.urls))
-
-
 def engine_split(cfg: HeadraceConfig) -> list[range]:
     """The engines each rollout service of the run drives (``run.rollout_services`` blocks of the
     launched engines, or of ``rollout.engines.urls`` when the rollout attaches to those);
     ``ConfigError`` when there are fewer engines than services."""
     eng = cfg.rollout.engines
-    n, what = (len(eng.urls), "len(rollout.engines.urls)") if _attached(cfg) else (eng.count, "rollout.engines.count")
+    n, what = (len(eng.urls), "len(rollout.engines.urls)") if attached(cfg) else (eng.count, "rollout.engines.count")
     try:
         return engine_blocks(n, cfg.run.rollout_services, what)
     except PlanError as e:
         raise ConfigError(str(e)) from None
-
-
-def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path) -> list[tuple[str, str, Path]]:
-    """(name, URL, config file) of each rollout service: the run's own config when there is one;
-    otherwise ``<out>/rollout<i>.yaml`` per service, with its shard, port and block of the engines."""
-    if len(blocks) == 1:
-        return [("rollout", cfg.rollout.url, config_file)]
-    eng, out = cfg.rollout.engines, []
-    for i, block in enumerate(blocks):
-        port = cfg.rollout.port if i == 0 else free_port(cfg.rollout.host)
-        sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}")
-        if _attached(cfg):
-            sc.rollout.engines.urls = [eng.urls[j] for j in block]
-        else:
-            sc.rollout.engines.count, sc.rollout.engines.base_port = len(block), eng.base_port + block.start
-        out.append((f"rollout{i}", sc.rollout.url, save_config(sc, Path(cfg.run.out) / f"rollout{i}.yaml")))
-    return out
 
 
 def check_cursor_layout(cfg: HeadraceConfig) -> None:
@@ -338,9 +314,8 @@ def _run(config_path: str | None, out: str | None, resume: str | None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     _pick_ports(cfg)
     config_file = save_config(cfg, out_dir / "config.yaml")
-    services = rollout_services(cfg, blocks, config_file)
+    services = rollout_services(cfg, blocks, config_file, lambda: free_port(cfg.rollout.host))
     if len(services) > 1:   # the run's config names the services the trainer drives
-        cfg.rollout.extra_urls = [url for _, url, _ in services[1:]]
         config_file = save_config(cfg, out_dir / "config.yaml")
     print(f"headrace run: out={out_dir} placement={cfg.run.placement} (rollout {cfg.rollout.mode}"
           + (f", {len(services)} rollout services" if len(services) > 1 else "") + f") model={cfg.model}", flush=True)

@@ -1,7 +1,8 @@
 """Placement plans: which GPU bundle holds which trainer rank and engine TP rank.
 
 A plan is pure data computed from the run config and a list of nodes (GPUs per node); it starts
-nothing, so ``headrace launch --dry-run`` and the Ray launcher share it. Guarantees:
+nothing (``rollout_services`` only writes the services' config files), so ``headrace launch
+--dry-run`` and the Ray launcher share it. Guarantees:
 
 - bundles are ordered by node, then GPU id; every bundle is one GPU;
 - colocated: trainer ranks and engines share the same bundles (engine e, TP rank r lives on bundle
@@ -18,9 +19,10 @@ nothing, so ``headrace launch --dry-run`` and the Ray launcher share it. Guarant
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Callable, Literal
 
-from headrace.shared.config import HeadraceConfig, ShardConfig
+from headrace.shared.config import HeadraceConfig, ShardConfig, save_config
 
 Placement = Literal["colocated", "disaggregated"]
 
@@ -79,6 +81,36 @@ def service_config(cfg: HeadraceConfig, index: int, count: int, port: int, url: 
     c.rollout.port = port
     c.rollout.url = url
     return c
+
+
+def attached(cfg: HeadraceConfig) -> bool:
+    """The rollout attaches to ``rollout.engines.urls`` (external engines, or vLLM servers given by
+    URL) rather than launching ``rollout.engines.count`` engines (as ``rollout.fleet`` decides)."""
+    eng = cfg.rollout.engines
+    return eng.backend == "external" or (eng.backend == "vllm" and bool(eng.urls))
+
+
+def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path,
+                     free_port: Callable[[], int]) -> list[tuple[str, str, Path]]:
+    """(name, URL, config file) of each rollout service of a run whose engines ``blocks`` splits.
+    One block: ``("rollout", rollout.url, config_file)``, the run's own config. Several: service i
+    is ``rollout<i>`` with ``<run.out>/rollout<i>.yaml`` (written here, ``service_config``) holding
+    its block of ``rollout.engines.urls`` where the rollout attaches to them, else its share of
+    ``count`` with the ports from ``base_port`` on; service 0 keeps ``rollout.port``, the others get
+    ``free_port()``; ``cfg.rollout.extra_urls`` is set to the others' URLs (the caller saves ``cfg``)."""
+    if len(blocks) == 1:
+        return [("rollout", cfg.rollout.url, config_file)]
+    eng, out = cfg.rollout.engines, []
+    for i, block in enumerate(blocks):
+        port = cfg.rollout.port if i == 0 else free_port()
+        sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}")
+        if attached(cfg):
+            sc.rollout.engines.urls = [eng.urls[j] for j in block]
+        else:
+            sc.rollout.engines.count, sc.rollout.engines.base_port = len(block), eng.base_port + block.start
+        out.append((f"rollout{i}", sc.rollout.url, save_config(sc, Path(cfg.run.out) / f"rollout{i}.yaml")))
+    cfg.rollout.url, cfg.rollout.extra_urls = out[0][1], [url for _, url, _ in out[1:]]
+    return out
 
 
 def _assign_engines(bundles: list[Bundle], count: int, engine_tp: int, services: int) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ only pins it to its resources and owns its process:
 
 - buffer and rollout service: CPU-only actors pinned to the driver's node; with
   ``run.rollout_services`` k > 1, k rollout services, each attached to its block of the engines
-  with its own shard of the prompts (``deploy.plan.service_config``, ``<out>/rollout<i>.yaml``),
+  with its own shard of the prompts (``deploy.plan.rollout_services``, ``<out>/rollout<i>.yaml``),
   and every trainer rank given all their URLs (``--rollout-url`` once per service);
 - engines: one actor per engine, on the bundle of its TP rank 0, with CUDA_VISIBLE_DEVICES set to
   the GPU ids Ray gave the engine's bundles; the rollout service attaches to them by URL. For
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from headrace.deploy.plan import Placement, Plan, make_plan, ray_nodes, service_config
+from headrace.deploy.plan import Placement, Plan, engine_blocks, make_plan, ray_nodes, rollout_services
 from headrace.rollout.vllm_launch import adapter_command
 from headrace.shared.auth import bind_refusal, module_argv, token_env
 from headrace.shared.config import ConfigError, HeadraceConfig, rollout_mode, save_config
@@ -211,29 +211,22 @@ def launch_on_ray(cfg: HeadraceConfig, placement: Placement, *, dry_run: bool = 
             run_cfg.trainer.sync_address = where[0]["ip"]
         config_file = save_config(run_cfg, out / "config.yaml")
 
-        rollouts = []   # (name, URL, actor) of each rollout service, driving its block of the engines
+        # one rollout service per block of the plan's engines (``Plan.engines[].rollout``)
         k = cfg.run.rollout_services
-        for i in range(k):
-            name, service_file = ("rollout", config_file) if k == 1 else (f"rollout{i}", out / f"rollout{i}.yaml")
-            if k > 1:
-                port = free_port("0.0.0.0")
-                sc = service_config(run_cfg, i, k, port, f"http://{here if host != '127.0.0.1' else host}:{port}")
-                sc.rollout.engines.urls = [urls[j][0] for j, e in enumerate(plan.engines) if e["rollout"] == i]
-                save_config(sc, service_file)
-                url = sc.rollout.url
-            else:
-                url = run_cfg.rollout.url
+        services = rollout_services(run_cfg, engine_blocks(len(urls), k, "run.num_gpus.rollout / rollout.engines.tp"),
+                                    config_file, lambda: free_port("0.0.0.0"))
+        if k > 1:   # the run's config names the services the trainer drives
+            config_file = save_config(run_cfg, out / "config.yaml")
+        rollouts = []   # (name, URL, actor)
+        for name, url, file in services:
             actor = Service.options(num_cpus=0, scheduling_strategy=driver_node).remote(
-                name, [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve", "--config", str(service_file)],
+                name, [sys.executable, "-m", "headrace.deploy.cli", "rollout", "serve", "--config", str(file)],
                 secret, logs, False)
             actors.append(actor)
             rollouts.append((name, url, actor))
         for _, url, actor in rollouts:
             _wait_http(f"{url}/health", actor, 300)
         rollout_urls = [a for _, url, _ in rollouts for a in ("--rollout-url", url)]
-        if k > 1:   # the run's config names the services the trainer drives
-            run_cfg.rollout.url, run_cfg.rollout.extra_urls = rollouts[0][1], [u for _, u, _ in rollouts[1:]]
-            config_file = save_config(run_cfg, out / "config.yaml")
 
         master = where[0]["ip"] if host != "127.0.0.1" else "127.0.0.1"
         master_port = str(free_port("0.0.0.0"))

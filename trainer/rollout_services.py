@@ -110,8 +110,8 @@ class RolloutServices:
         if len(self.clients) == 1:
             return self.clients[0].generate_batch(groups)
         if self._engine_counts is None:
-            self.engines()
-        shares = split_groups(groups, self._engine_counts or [])
+            self.engines()   # sets them
+        shares = split_groups(groups, self._engine_counts or [1] * len(self.clients))
         return self._merge(self._each("generate_batch",
                                       lambda c, i: c.generate_batch(shares[i]) if shares[i] else {}))
 
@@ -139,7 +139,8 @@ def merge_evaluations(parts: list[dict[str, Any]]) -> dict[str, Any]:
     def mean(key: str) -> float:
         return sum(float(p[key]) * int(p["n"]) for p in scored) / n if n else 0.0
 
-    return {"n": n, "score": mean("score"), "pass_at_1": mean("score"), "reward_mean": mean("reward_mean"),
+    score = mean("score")
+    return {"n": n, "score": score, "pass_at_1": score, "reward_mean": mean("reward_mean"),
             "failed": sum(int(p.get("failed", 0)) for p in parts),
             "weight_version": min((p["weight_version"] for p in scored), default=parts[0].get("weight_version")),
             "parts": len(parts)}

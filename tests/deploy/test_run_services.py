@@ -135,7 +135,8 @@ def test_more_rollout_services_than_engines_fails_before_any_process(tmp_path: P
 
 
 def test_engines_given_by_url_are_split_and_launched_ones_counted(tmp_path: Path) -> None:
-    from headrace.deploy.local import engine_split, rollout_services
+    from headrace.deploy.local import engine_split
+    from headrace.deploy.plan import rollout_services
     from headrace.shared.config import HeadraceConfig
 
     urls = [f"http://10.0.0.{i}:30000" for i in range(3)]
@@ -143,12 +144,14 @@ def test_engines_given_by_url_are_split_and_launched_ones_counted(tmp_path: Path
         "rollout": {"engines": {"backend": "external", "urls": urls}, "port": 8200},
         "run": {"rollout_services": 2, "out": str(tmp_path)}})
     blocks = engine_split(cfg)
-    services = rollout_services(cfg, blocks, tmp_path / "config.yaml")
-    assert [name for name, _, _ in services] == ["rollout0", "rollout1"] and services[0][1] == "http://127.0.0.1:8200"
+    services = rollout_services(cfg, blocks, tmp_path / "config.yaml", lambda: 8201)
+    assert [(name, url) for name, url, _ in services] == [("rollout0", "http://127.0.0.1:8200"),
+                                                          ("rollout1", "http://127.0.0.1:8201")]
+    assert (cfg.rollout.url, cfg.rollout.extra_urls) == ("http://127.0.0.1:8200", ["http://127.0.0.1:8201"])
     written = [yaml.safe_load(file.read_text())["rollout"] for _, _, file in services]
     assert [w["engines"]["urls"] for w in written] == [urls[:2], urls[2:]]
     # a launching backend ignores urls (rollout.fleet launches engines.count): the count is split
     cfg.rollout.engines = cfg.rollout.engines.model_copy(update={"backend": "reference", "count": 5, "base_port": 31000})
-    services = rollout_services(cfg, engine_split(cfg), tmp_path / "config.yaml")
+    services = rollout_services(cfg, engine_split(cfg), tmp_path / "config.yaml", lambda: 8201)
     written = [yaml.safe_load(file.read_text())["rollout"]["engines"] for _, _, file in services]
     assert [(w["count"], w["base_port"]) for w in written] == [(3, 31000), (2, 31003)]
