@@ -72,12 +72,14 @@ def engine_blocks(engines: int, services: int, what: str) -> list[range]:
     return [range(starts[i], starts[i + 1]) for i in range(services)]
 
 
-def service_config(cfg: HeadraceConfig, index: int, count: int, port: int, url: str) -> HeadraceConfig:
+def service_config(cfg: HeadraceConfig, index: int, count: int, port: int, url: str,
+                   weights: list[int] | None = None) -> HeadraceConfig:
     """The config rollout service ``index`` of ``count`` runs with: a copy of the run's, with its
-    shard of the prompts (none when ``count`` is 1), its port and its URL; the caller sets its engines."""
+    shard of the prompts and, with ``weights`` (the services' engine counts), of the continuous
+    admission cap (no shard when ``count`` is 1), its port and its URL; the caller sets its engines."""
     c = cfg.model_copy(deep=True)
     c.run.rollout_services = 1
-    c.rollout.data.shard = ShardConfig(index=index, count=count) if count > 1 else None
+    c.rollout.data.shard = ShardConfig(index=index, count=count, weights=weights) if count > 1 else None
     c.rollout.port = port
     c.rollout.url = url
     return c
@@ -96,14 +98,15 @@ def rollout_services(cfg: HeadraceConfig, blocks: list[range], config_file: Path
     One block: ``("rollout", rollout.url, config_file)``, the run's own config. Several: service i
     is ``rollout<i>`` with ``<run.out>/rollout<i>.yaml`` (written here, ``service_config``) holding
     its block of ``rollout.engines.urls`` where the rollout attaches to them, else its share of
-    ``count`` with the ports from ``base_port`` on; service 0 keeps ``rollout.port``, the others get
+    ``count`` with the ports from ``base_port`` on, and shares of the admission cap in proportion to
+    their engines (``shard.weights``); service 0 keeps ``rollout.port``, the others get
     ``free_port()``; ``cfg.rollout.extra_urls`` is set to the others' URLs (the caller saves ``cfg``)."""
     if len(blocks) == 1:
         return [("rollout", cfg.rollout.url, config_file)]
     eng, out = cfg.rollout.engines, []
     for i, block in enumerate(blocks):
         port = cfg.rollout.port if i == 0 else free_port()
-        sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}")
+        sc = service_config(cfg, i, len(blocks), port, f"http://{cfg.rollout.host}:{port}", [len(b) for b in blocks])
         if attached(cfg):
             sc.rollout.engines.urls = [eng.urls[j] for j in block]
         else:

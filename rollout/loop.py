@@ -277,10 +277,10 @@ class RolloutLoop:
         return admission_cap(self.cfg.buffer.max_staleness, self.rc.groups_per_step)
 
     @property
-    def _shard(self) -> tuple[int, int]:
-        """(index, count) of this service among those sharing the buffer (``rollout.data.shard``)."""
+    def _shard(self) -> tuple[int, int, list[int] | None]:
+        """(index, count, weights) of this service among those sharing the buffer (``rollout.data.shard``)."""
         shard = self.rc.data.shard
-        return (shard.index, shard.count) if shard is not None else (0, 1)
+        return (shard.index, shard.count, shard.weights) if shard is not None else (0, 1, None)
 
     @property
     def admission_share(self) -> int:

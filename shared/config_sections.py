@@ -143,12 +143,21 @@ class ShardConfig(_Section):
     index: int = Field(default=0, ge=0, le=100_000, description="this service's shard, 0 <= index < count")
     count: int = Field(default=1, ge=1, le=100_000, description="rollout services sharing the prompts "
                        "(each with its own index, the same data, seed and shuffle)")
+    weights: list[int] | None = Field(
+        default=None, description="continuous mode: each service's share of the admission cap, in "
+        "proportion: one integer 1..1000000 per service, the same list in every service's config (e.g. "
+        "their engine counts; `headrace run` sets them); null: even shares")
 
     @model_validator(mode="after")
     def _index_below_count(self) -> "ShardConfig":
         if self.index >= self.count:
             raise ValueError(f"index {self.index} is not below count {self.count}: shards are numbered "
                              f"0..{self.count - 1}")
+        if self.weights is not None and len(self.weights) != self.count:
+            raise ValueError(f"weights has {len(self.weights)} entries but count is {self.count}: give one "
+                             "weight per service (e.g. its engine count)")
+        if self.weights is not None and not all(1 <= w <= 1_000_000 for w in self.weights):
+            raise ValueError(f"weights {self.weights}: each must be an integer from 1 to 1000000")
         return self
 
 

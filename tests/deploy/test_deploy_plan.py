@@ -66,7 +66,8 @@ def test_service_config_gives_each_service_its_shard_port_and_url() -> None:
     c = cfg(1, 1, 1, 2, 1)
     c.run.rollout_services = 2
     sc = service_config(c, 1, 2, 8301, "http://h:8301")
-    assert (sc.rollout.data.shard.index, sc.rollout.data.shard.count) == (1, 2)
+    assert (sc.rollout.data.shard.index, sc.rollout.data.shard.count, sc.rollout.data.shard.weights) == (1, 2, None)
+    assert service_config(c, 1, 2, 8301, "http://h:8301", [3, 1]).rollout.data.shard.weights == [3, 1]
     assert (sc.rollout.port, sc.rollout.url, sc.run.rollout_services) == (8301, "http://h:8301", 1)
     assert c.rollout.data.shard is None and c.run.rollout_services == 2   # the run's config is untouched
     assert service_config(c, 0, 1, 8300, "http://h:8300").rollout.data.shard is None

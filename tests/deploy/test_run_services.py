@@ -75,7 +75,7 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
     urls = []
     for i in (0, 1):
         sc = yaml.safe_load((out / f"rollout{i}.yaml").read_text())
-        assert sc["rollout"]["data"]["shard"] == {"index": i, "count": 2}
+        assert sc["rollout"]["data"]["shard"] == {"index": i, "count": 2, "weights": [1, 1]}
         assert sc["rollout"]["engines"]["count"] == 1 and sc["rollout"]["engines"]["base_port"] == base + i
         assert sc["run"]["rollout_services"] == 1
         assert (out / "logs" / f"rollout{i}.log").stat().st_size > 0
@@ -155,3 +155,6 @@ def test_engines_given_by_url_are_split_and_launched_ones_counted(tmp_path: Path
     services = rollout_services(cfg, engine_split(cfg), tmp_path / "config.yaml", lambda: 8201)
     written = [yaml.safe_load(file.read_text())["rollout"]["engines"] for _, _, file in services]
     assert [(w["count"], w["base_port"]) for w in written] == [(3, 31000), (2, 31003)]
+    # continuous admission: each service's share of the cap follows its engines (3 and 2 of 5)
+    shards = [yaml.safe_load(file.read_text())["rollout"]["data"]["shard"] for _, _, file in services]
+    assert [(d["index"], d["count"], d["weights"]) for d in shards] == [(0, 2, [3, 2]), (1, 2, [3, 2])]

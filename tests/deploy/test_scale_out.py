@@ -142,11 +142,15 @@ def test_two_sharded_rollout_services_feed_one_buffer_and_one_trainer(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("weights, shares", [(None, [4, 4]), ([3, 1], [6, 2])], ids=["even", "weighted"])
+def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(
+        tmp_path: Path, tiny_model: Path, weights: list[int] | None, shares: list[int]) -> None:
     """No trainer consumes: each service generates ahead until the admission rule stops it. With
     the cap counted per service (as one service alone does) two of them filled the buffer to twice
-    the cap; with their shares of it (``shared.staleness.admits``) they stop below that."""
+    the cap; with their shares of it (``shared.staleness.admits``: even, or by ``shard.weights``)
+    they stop below that."""
     cap = 2 * GROUPS * 2          # (max_staleness 1 + 1) x groups_per_step (GROUPS * 2)
+    assert sum(shares) == cap
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, label=lambda i: str(i + 1))
     pb = free_port()
     buffer_url = f"http://127.0.0.1:{pb}"
@@ -162,7 +166,7 @@ def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(tmp_
             config.write_text(yaml.safe_dump({
                 "model": str(tiny_model), "buffer": {"url": buffer_url, "max_staleness": 1},
                 "rollout": {"engines": {"backend": "reference", "count": 1, "base_port": free_port()},
-                            "data": {"path": str(prompts), "shard": {"index": index, "count": 2}},
+                            "data": {"path": str(prompts), "shard": {"index": index, "count": 2, "weights": weights}},
                             "n_samples_per_prompt": 2, "groups_per_step": GROUPS * 2, "mode": "continuous",
                             "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match",
                             "state_path": str(tmp_path / "rollout_state.json"), "stats_interval_s": 0.1},
@@ -181,7 +185,7 @@ def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(tmp_
             still = still + 1 if idle and queued == last else 0
             last = queued
             time.sleep(0.2)
-        assert [(st["admission_cap"], st["admission_share"]) for st in statuses] == [(cap, cap // 2)] * 2
+        assert [(st["admission_cap"], st["admission_share"]) for st in statuses] == [(cap, x) for x in shares]
         assert all(st["produced"] > 0 for st in statuses), statuses
         assert cap <= queued < 2 * cap, (queued, [st["produced"] for st in statuses])
     finally:

@@ -79,7 +79,11 @@ def test_bad_shard_configs_name_the_key(tmp_path: Path) -> None:
     cases = {"{index: 2, count: 2}": "index 2 is not below count 2",
              "{index: -1, count: 2}": "rollout.data.shard.index",
              "{index: 0, count: 0}": "rollout.data.shard.count",
-             "{index: 0, count: 2, size: 4}": "rollout.data.shard.size: unknown key"}
+             "{index: 0, count: 2, size: 4}": "rollout.data.shard.size: unknown key",
+             "{index: 0, count: 2, weights: [3, 1, 1]}": "weights has 3 entries but count is 2",
+             "{index: 0, count: 2, weights: [3, 0]}": "weights [3, 0]: each must be an integer from 1 to 1000000",
+             "{index: 0, count: 2, weights: [3, 1.5]}": "rollout.data.shard.weights.1",
+             "{index: 0, count: 2, weights: 3}": "rollout.data.shard.weights"}
     cfg = tmp_path / "run.yaml"
     for value, message in cases.items():
         cfg.write_text(f"rollout:\n  data:\n    path: {path}\n    shard: {value}\n")
