@@ -14,12 +14,20 @@ demo: venv
 
 # 2. The whole test suite, including the SGLang and vLLM tiers (builds their venvs first).
 # The three venvs are independent: built side by side (mostly downloads and unpacking).
+# Each run keeps its temporary files in a directory of its own (not pytest's shared
+# /tmp/pytest-of-<user>, where two runs at once prune each other's): removed when the run passes,
+# kept (and named) when it fails.
+PYTEST = bt=$$(mktemp -d "$${TMPDIR:-/tmp}/headrace-tests.XXXXXX") && \
+	{ $(PY) -m pytest -q --strict-markers --basetemp "$$bt" $(1); rc=$$?; } && \
+	if [ $$rc -eq 0 ]; then rm -rf "$$bt"; else echo "pytest exited $$rc; its files are in $$bt"; fi; \
+	exit $$rc
+
 test:
 	$(MAKE) -j3 venv sglang-venv vllm-venv
-	CI=$${CI:-} $(PY) -m pytest -q --strict-markers -n 2 --dist loadfile --durations=40 tests
+	$(call PYTEST,-n 2 --dist loadfile --durations=40 tests)
 
 test-fast: venv
-	$(PY) -m pytest -q --strict-markers -m "not slow and not sglang and not vllm" tests
+	$(call PYTEST,-m "not slow and not sglang and not vllm" tests)
 
 venv: $(VENV)/.installed
 
