@@ -14,7 +14,9 @@ bench prints theirs: they must not be the bottleneck).
     ``POST /v1/generate_batch {"groups": G}``; the rate is groups / wall time of a batch (median of
     ``--rounds``; G is what the warm-up's rate makes in ``--round-s``, at most ``--groups``), for
     each E in ``--engines``. CPU per group of the service is printed too: on a loaded machine the
-    wall-time rate understates what the service would do with a core of its own;
+    wall-time rate understates what the service would do with a core of its own. ``--services k``
+    runs k services instead (scale-out, as ``run.rollout_services``: engine blocks, prompt shards,
+    every round split over them by engines) and prints their rate together;
 (b) buffer: ``--producers`` processes post pre-encoded columnar bodies (``--push-batch`` groups
     each, fresh ids every time) to one buffer (durable SQLite, or ``--buffer-memory``) for
     ``--buffer-seconds``; the rate is groups accepted / seconds.
@@ -31,12 +33,12 @@ one group's answers (534 KB) takes 1.44 ms with the GC off and freeing them 0.93
 cost 0.97 ms. 4 Dec: 408 / 393 / 426 GPUs (7.7-8.0 ms per group), buffer 3,595 GPUs (1,097 groups/s);
 at 16 tokens with 2 engines 0.63 ms of service CPU per group. bench/RESULTS.md has every run and profile.
 
-    python bench/fleet_sim.py [--engines 8,32,128] [--groups 256] [--rounds 3] [--new-tokens 2048]
-                              [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
+    python bench/fleet_sim.py [--engines 8,32,128] [--services 1] [--groups 256] [--rounds 3]
+                              [--new-tokens 2048] [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
 
 prints (besides ``#`` lines of detail: CPU per group of the service, the buffer and the engines,
 and the rate each would reach with a core of its own, 1 / CPU per group)
-    rollout service: N groups/s with E engines = G GPUs
+    rollout service: N groups/s with E engines = G GPUs      (k rollout services: ..., with --services k)
     buffer: N groups/s from P producers = G GPUs
 ``--profile`` runs the rollout service of the first engine count under cProfile.
 """
@@ -173,49 +175,73 @@ def _wait_file(path: Path, proc: Any, timeout: float = 60.0) -> Any:
 
 def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[str], sim_pid: int,
                    buffer_url: str, buffer_pid: int, data: Path, profile: str | None) -> tuple[float, dict[str, float]]:
+    """(groups/s, details) of ``args.services`` rollout services driving ``urls`` together: service
+    i gets the i-th contiguous block of the engines and shard i of the prompts, as ``headrace run``
+    with ``run.rollout_services`` splits them, and each round asks every service for its share of
+    the groups at once (one thread each); the rate is all groups / the round's wall time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import httpx
     import yaml
 
+    from headrace.deploy.plan import engine_blocks
     from tests.procs import Proc, child_env, free_port, headrace_cmd
 
-    e = len(urls)
-    cfg = tmp / f"rollout-{e}.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "model": str(model), "buffer": {"url": buffer_url, "max_staleness": 0, "capacity": 10_000_000},
-        "rollout": {"engines": {"backend": "external", "urls": urls}, "mode": "on_demand",
-                    "data": {"path": str(data), "shuffle": False}, "n_samples_per_prompt": args.n,
-                    "groups_per_step": args.groups, "max_concurrency": min(100_000, args.groups * args.n),
-                    "reward": "exact_match", "state_path": str(tmp / f"rollout-{e}-state.json"),
-                    "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}},
-        "run": {"out": str(tmp / f"run-{e}")}}))
-    port = free_port()
-    argv = headrace_cmd("rollout", "serve", "--config", str(cfg), "--port", str(port))
-    if profile:  # the service exits with os._exit: its profile is dumped on SIGUSR1 instead
-        argv = [argv[0], "-c", PROFILED, profile, *argv[3:]]
-    svc = Proc(argv, tmp / f"rollout-{e}.log", env=child_env(HEADRACE_LOG_LEVEL="WARNING"))
-    url = f"http://127.0.0.1:{port}"
-    client = httpx.Client(timeout=900)   # one client for every round, as the trainer's (making one costs 50-80 ms)
+    e, k = len(urls), args.services
+    blocks = engine_blocks(e, k, "--engines")
+    svcs, service_urls = [], []
+    for i, block in enumerate(blocks):
+        cfg = tmp / f"rollout-{e}-{i}.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "model": str(model), "buffer": {"url": buffer_url, "max_staleness": 0, "capacity": 10_000_000},
+            "rollout": {"engines": {"backend": "external", "urls": [urls[j] for j in block]}, "mode": "on_demand",
+                        "data": {"path": str(data), "shuffle": False,
+                                 **({"shard": {"index": i, "count": k}} if k > 1 else {})},
+                        "n_samples_per_prompt": args.n, "groups_per_step": args.groups,
+                        "max_concurrency": min(100_000, args.groups * args.n), "reward": "exact_match",
+                        "state_path": str(tmp / f"rollout-{e}-state.json"),
+                        "sampling": {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}},
+            "run": {"out": str(tmp / f"run-{e}")}}))
+        port = free_port()
+        argv = headrace_cmd("rollout", "serve", "--config", str(cfg), "--port", str(port))
+        if profile and i == 0:  # the service exits with os._exit: its profile is dumped on SIGUSR1 instead
+            argv = [argv[0], "-c", PROFILED, profile, *argv[3:]]
+        svcs.append(Proc(argv, tmp / f"rollout-{e}-{i}.log", env=child_env(HEADRACE_LOG_LEVEL="WARNING")))
+        service_urls.append(f"http://127.0.0.1:{port}")
+    # one client per service for every round, as the trainer's (making one costs 50-80 ms)
+    clients = [httpx.Client(timeout=900) for _ in svcs]
+    pool = ThreadPoolExecutor(k)
     try:
-        svc.wait_http(f"{url}/health", timeout=180)
+        for svc, url in zip(svcs, service_urls):
+            svc.wait_http(f"{url}/health", timeout=180)
+
+        def one(i: int, groups: int) -> None:
+            r = clients[i].post(f"{service_urls[i]}/v1/generate_batch", json={"groups": groups, "weight_version": 0})
+            if r.status_code != 200 or r.json()["groups"] != groups:
+                raise RuntimeError(f"generate_batch: {r.status_code} {r.text[:500]}\n{svcs[i].log()[-3000:]}")
 
         def batch(groups: int) -> float:
+            shares = [groups * len(b) // e for b in blocks]
+            shares[0] += groups - sum(shares)
             t0 = time.perf_counter()
-            r = client.post(f"{url}/v1/generate_batch", json={"groups": groups, "weight_version": 0})
-            dt = time.perf_counter() - t0
-            if r.status_code != 200 or r.json()["groups"] != groups:
-                raise RuntimeError(f"generate_batch: {r.status_code} {r.text[:500]}\n{svc.log()[-3000:]}")
-            return dt
+            for f in [pool.submit(one, i, n) for i, n in enumerate(shares) if n]:
+                f.result()
+            return time.perf_counter() - t0
 
-        warm = max(1, args.groups // 8)
+        warm = max(k, args.groups // 8)
         dt = batch(warm)  # warm-up: connections, first-call imports; sizes the rounds to ~round_s
-        size = max(1, min(args.groups, int(warm / dt * args.round_s)))
+        size = max(k, min(args.groups, int(warm / dt * args.round_s)))
         if profile:
-            os.kill(svc.pid, signal.SIGUSR2)
+            os.kill(svcs[0].pid, signal.SIGUSR2)
+
+        def service_cpu() -> float:
+            return sum(cpu_seconds(s.pid) for s in svcs)
+
         times, cpu_svc, cpu_sim, cpu_buf = [], 0.0, 0.0, 0.0
         for _ in range(args.rounds):
-            c0, s0, b0 = cpu_seconds(svc.pid), cpu_seconds(sim_pid), cpu_seconds(buffer_pid)
+            c0, s0, b0 = service_cpu(), cpu_seconds(sim_pid), cpu_seconds(buffer_pid)
             times.append(batch(size))
-            cpu_svc += cpu_seconds(svc.pid) - c0
+            cpu_svc += service_cpu() - c0
             cpu_sim += cpu_seconds(sim_pid) - s0
             cpu_buf += cpu_seconds(buffer_pid) - b0
         rate = size / statistics.median(times)
@@ -226,13 +252,16 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
                       "service_cpu_share": cpu_svc / sum(times), "engines_cpu_share": cpu_sim / sum(times),
                       "buffer_cpu_share": cpu_buf / sum(times)}
     finally:
-        client.close()
-        if profile and svc.alive():
-            os.kill(svc.pid, signal.SIGUSR1)
+        pool.shutdown(wait=False)
+        for c in clients:
+            c.close()
+        if profile and svcs[0].alive():
+            os.kill(svcs[0].pid, signal.SIGUSR1)
             deadline = time.monotonic() + 30
             while not Path(profile).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
-        svc.stop(timeout=30)
+        for svc in svcs:
+            svc.stop(timeout=30)
 
 
 PROFILED = ("import cProfile, signal, sys\n"   # SIGUSR2 starts profiling (after the warm-up), SIGUSR1 dumps
@@ -342,6 +371,9 @@ def buffer_figure(args: argparse.Namespace, tmp: Path) -> tuple[float, dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", default="8,32,128", help="engine counts, comma-separated (0 or '' skips (a))")
+    ap.add_argument("--services", type=int, default=1,
+                    help="(a) with this many rollout services on one buffer, each with a block of the engines "
+                         "and a shard of the prompts (as run.rollout_services); the rate is theirs together")
     ap.add_argument("--groups", type=int, default=512, help="most groups per generate_batch round")
     ap.add_argument("--round-s", type=float, default=6.0,
                     help="rounds hold as many groups as the warm-up rate makes in this long (at most --groups)")
@@ -376,6 +408,8 @@ def run(args: argparse.Namespace) -> None:
     from tests.procs import Proc, child_env, free_port, headrace_cmd
 
     counts = [int(x) for x in str(args.engines).split(",") if x.strip() and int(x) > 0]
+    if args.services < 1 or any(c < args.services for c in counts):
+        raise SystemExit(f"--services {args.services}: needs 1 <= services <= every engine count ({counts})")
     tmp = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     per = (args.n, args.new_tokens, args.gpu_tokens_per_s)
     procs: list[Any] = []
@@ -383,7 +417,7 @@ def run(args: argparse.Namespace) -> None:
         if counts:
             model = init_model(args.preset, tmp / "model")
             data = tmp / "prompts.jsonl"
-            need = args.groups * (args.rounds + 1) * len(counts) + args.groups
+            need = (args.groups * (args.rounds + 1) * len(counts) + args.groups) * (2 if args.services > 1 else 1)
             data.write_text("".join(json.dumps({"prompt": f"{i % 89} + {i % 7} =", "label": "7"}) + "\n"
                                     for i in range(need)))
             ports_file = tmp / "ports.json"
@@ -399,11 +433,14 @@ def run(args: argparse.Namespace) -> None:
             for k, e in enumerate(counts):
                 rate, detail = rollout_figure(args, tmp, model, urls[:e], sim.pid, f"http://127.0.0.1:{bport}",
                                               buf.pid, data, args.profile if k == 0 else None)
-                one_core = 1000 / max(detail["service_cpu_ms_per_group"], 1e-9)   # the service with a core of its own
-                print("# " + json.dumps({"engines": e, **{k2: round(v, 3) for k2, v in detail.items()},
-                                         "groups_per_s_at_one_core": round(one_core, 1),
-                                         "gpus_at_one_core": gpus(one_core, *per)}), flush=True)
-                print(f"rollout service: {rate:.1f} groups/s with {e} engines = {gpus(rate, *per)} GPUs", flush=True)
+                # each service with a core of its own: k / CPU per group of them all
+                one_core = 1000 * args.services / max(detail["service_cpu_ms_per_group"], 1e-9)
+                print("# " + json.dumps({"engines": e, "services": args.services,
+                                         **{k2: round(v, 3) for k2, v in detail.items()},
+                                         "groups_per_s_at_one_core_each": round(one_core, 1),
+                                         "gpus_at_one_core_each": gpus(one_core, *per)}), flush=True)
+                who = "rollout service" if args.services == 1 else f"{args.services} rollout services"
+                print(f"{who}: {rate:.1f} groups/s with {e} engines = {gpus(rate, *per)} GPUs", flush=True)
         if args.producers > 0:
             rate, detail = buffer_figure(args, tmp)
             one_core = 1000 / max(detail["buffer_cpu_ms_per_group"], 1e-9)

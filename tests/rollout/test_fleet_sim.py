@@ -36,3 +36,25 @@ def test_fleet_sim_runs_and_prints_the_design_lines() -> None:
         rate, g = float(m.group(1)), int(m.group(3))
         assert rate > 0
         assert g == round(rate * n * new_tokens / per_gpu) or abs(g - rate * n * new_tokens / per_gpu) <= 1
+
+
+SERVICES = re.compile(r"^2 rollout services: ([0-9.]+) groups/s with 3 engines = ([0-9]+) GPUs$")
+
+
+@pytest.mark.slow
+def test_fleet_sim_drives_several_rollout_services_together() -> None:
+    """``--services 2``: two real rollout services (engine blocks of 2 and 1, prompt shards 0 and 1)
+    answer every round together; more services than engines is refused before anything starts."""
+    base = [sys.executable, str(REPO / "bench" / "fleet_sim.py"), "--groups", "6", "--rounds", "1", "--n", "2",
+            "--new-tokens", "16", "--producers", "0", "--gpu-tokens-per-s", "100"]
+    out = subprocess.run(base + ["--engines", "3", "--services", "2"], capture_output=True, text=True, timeout=300,
+                         env=child_env(), cwd=str(REPO))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 1 and SERVICES.match(lines[0]), out.stdout
+    assert float(SERVICES.match(lines[0]).group(1)) > 0
+    detail = [ln for ln in out.stdout.splitlines() if ln.startswith("# ")]
+    assert '"services": 2' in detail[0], detail
+    bad = subprocess.run(base + ["--engines", "2", "--services", "3"], capture_output=True, text=True, timeout=120,
+                         env=child_env(), cwd=str(REPO))
+    assert bad.returncode != 0 and "--services 3: needs 1 <= services <= every engine count ([2])" in bad.stderr
