@@ -19,10 +19,14 @@ Guarantees:
   divide). The watermark counts only owned positions (the others are other shards'); the cursor
   file is per shard (``shard_state_path``) and records its shard: a file of another shard or count
   is refused.
+- ``state()`` carries a ``fingerprint`` of what fixes the prompts' order (source, task options,
+  size, seed, shuffle, item count): services with equal fingerprints draw the same prompts in the
+  same order, so a trainer driving several can tell whether their shards must be disjoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import os
@@ -194,6 +198,10 @@ class DataSource:
         self._outstanding: set[int] = set()
         self.autosave = True  # False: the owner calls flush() (the service does, every 0.2 s)
         self._dirty = False
+        c = cfg
+        order = [c.path and os.path.abspath(c.path), c.task, c.task_config if c.task else None,
+                 c.size if c.task else None, c.seed, c.shuffle, c.input_key, len(self.items)]
+        self.fingerprint = hashlib.sha256(json.dumps(order, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -232,7 +240,8 @@ class DataSource:
     def state(self) -> dict[str, Any]:
         n = len(self.items)
         out = {"epoch": self.watermark // n, "position": self.watermark % n, "watermark": self.watermark,
-               "done_ahead": len(self.done), "outstanding": len(self._outstanding)}
+               "done_ahead": len(self.done), "outstanding": len(self._outstanding),
+               "fingerprint": self.fingerprint}
         if self.shard_count > 1:
             out["shard"] = {"index": self.shard_index, "count": self.shard_count}
         return out

@@ -128,6 +128,7 @@ class EngineControl:
 
             self.rollout = RolloutServices(rollout_urls(rollout_url), timeout=max(600.0, cfg.trainer.sync_timeout_s),
                                            token=cfg.auth.token)
+            self.rollout.check_layout()   # several services: their prompt shards must not collide
         self.released = False
         self.times: dict[str, float] = {}
 

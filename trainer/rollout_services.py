@@ -14,6 +14,12 @@ its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
   unequal blocks of engines finish together, and a step still gets ``n`` groups (largest
   remainders, ties to the lower index; services listing no engine get none unless none lists any,
   then the split is even);
+- ``check_layout()`` (at the trainer's start, k > 1) reads every service's ``/v1/status`` and
+  refuses services that draw the same prompts (equal data fingerprints) without disjoint shards of
+  one count (``layout_problems``: a service with no shard next to one with a shard, different
+  counts, one index twice), each error naming the services and the key; it warns of shards no
+  service of this trainer draws and of admission shares that do not sum to the cap (services
+  with different ``weights``, or unsharded ones, each admitting against the whole cap);
 - ``evaluate`` splits the held-out prompts over the services (prompts i, i + k, ... to service i:
   every service holds all of them, since sharding splits only the training prompts, and the
   weights are one version everywhere), so every engine takes part; the answer is the whole set's
@@ -24,11 +30,15 @@ With one service every call goes straight to its client.
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from headrace.shared.rollout_client import RolloutClient, RolloutError
+from headrace.shared.staleness import split_by_weights
 from headrace.shared.weight_sync.protocol import EngineTarget
+
+log = logging.getLogger("headrace.trainer.rollout")
 
 
 class RolloutServices:
@@ -62,6 +72,23 @@ class RolloutServices:
             raise RolloutError(f"{what} failed on {len(failed)} of {len(self.urls)} rollout services: "
                                + "; ".join(failed))
         return answers
+
+    def check_layout(self) -> None:
+        """Refuse services whose prompt shards collide; warn of gaps and of admission shares that do
+        not add up (see the module docstring). A service that does not answer is left to the calls
+        that need it."""
+        if len(self.clients) == 1:
+            return
+        try:
+            statuses = self._each("status", lambda c, i: c.status())
+        except RolloutError as e:
+            log.warning("could not check the rollout services' shards: %s", e)
+            return
+        errors, warnings = layout_problems(self.urls, statuses)
+        for w in warnings:
+            log.warning("%s", w)
+        if errors:
+            raise RolloutError("; ".join(errors))
 
     def status(self) -> dict[str, Any]:
         answers = self._each("status", lambda c, i: c.status())
@@ -146,13 +173,58 @@ def merge_evaluations(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "parts": len(parts)}
 
 
+def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) of several services' prompt shards and admission shares, from their
+    ``/v1/status`` answers (see the module docstring)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    same: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    for url, st in zip(urls, statuses):
+        data = st.get("data") or {}
+        if data.get("fingerprint"):
+            shard = data.get("shard")
+            same.setdefault(data["fingerprint"], []).append(
+                (url, (int(shard["index"]), int(shard["count"])) if shard else None))
+    for group in same.values():
+        if len(group) < 2:
+            continue
+        loose = [u for u, sh in group if sh is None]
+        counts = sorted({sh[1] for _, sh in group if sh is not None})
+        if loose:
+            errors.append(f"rollout services {', '.join(u for u, _ in group)} draw the same prompts (same data, seed "
+                          f"and shuffle) but {', '.join(loose)} {'has' if len(loose) == 1 else 'have'} no "
+                          "rollout.data.shard, so prompts would be generated twice; give each service its own "
+                          f"shard {{index: i, count: {len(group)}}}")
+            continue
+        if len(counts) > 1:
+            errors.append(f"rollout services {', '.join(f'{u} (count {sh[1]})' for u, sh in group if sh)} shard the "
+                          "same prompts with different rollout.data.shard.count: give every one the same count")
+            continue
+        count, owners = counts[0], {}
+        for u, sh in group:
+            if sh is not None and sh[0] in owners:
+                errors.append(f"rollout services {owners[sh[0]]} and {u} both draw shard {sh[0]} of {count} of the "
+                              f"same prompts: give each its own rollout.data.shard.index (0..{count - 1})")
+            elif sh is not None:
+                owners[sh[0]] = u
+        missing = sorted(set(range(count)) - set(owners))
+        if missing and not errors:
+            warnings.append(f"shard(s) {missing} of {count} of the prompts are drawn by none of this trainer's "
+                            f"rollout services ({', '.join(owners.values())}): those prompts are trained on only "
+                            "if another service draws them, and its engines are not synced by this trainer")
+    live = [st for st in statuses if st.get("mode") == "continuous" and "admission_share" in st]
+    caps = {st.get("admission_cap") for st in live}
+    if len(live) > 1 and len(caps) == 1:
+        cap, total = caps.pop(), sum(int(st["admission_share"]) for st in live)
+        if cap is not None and cap >= len(live) and total != cap:
+            warnings.append(f"the continuous rollout services' admission shares sum to {total}, not the cap {cap}: "
+                            f"up to ~{cap + total} groups may be ahead of the trainer (services without "
+                            "rollout.data.shard each admit against the whole cap; give every service the same "
+                            "shard count and weights)")
+    return errors, warnings
+
+
 def split_groups(groups: int, weights: Sequence[int]) -> list[int]:
     """``groups`` split in proportion to ``weights`` (largest remainders, ties to the lower index);
     an even split when every weight is 0."""
-    w = list(weights) if any(weights) else [1] * len(weights)
-    total = sum(w)
-    shares = [groups * x // total for x in w]
-    order = sorted(range(len(w)), key=lambda i: (-(groups * w[i] % total), i))
-    for i in order[:groups - sum(shares)]:
-        shares[i] += 1
-    return shares
+    return split_by_weights(groups, list(weights) if any(weights) else [1] * len(weights))

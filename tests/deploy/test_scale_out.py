@@ -90,6 +90,10 @@ def test_two_sharded_rollout_services_feed_one_buffer_and_one_trainer(tmp_path: 
         procs += rollouts
         for r, url in zip(rollouts, services):
             r.wait_http(f"{url}/health", 240)
+        # what the trainer checks at its start: the same prompts (fingerprint), disjoint shards
+        datas = [httpx.get(f"{u}/v1/status", timeout=30).json()["data"] for u in services]
+        assert datas[0]["fingerprint"] == datas[1]["fingerprint"], datas
+        assert [d["shard"] for d in datas] == [{"index": 0, "count": 2}, {"index": 1, "count": 2}]
         trainer = Proc(headrace_cmd("train", "--config", str(configs[0]), "--buffer-url", buffer_url,
                                     "--rollout-url", services[0], "--rollout-url", services[1]), logs / "trainer.log")
         procs.append(trainer)
@@ -107,6 +111,7 @@ def test_two_sharded_rollout_services_feed_one_buffer_and_one_trainer(tmp_path: 
         assert trainer.popen.returncode == 0, trainer.log()[-6000:]
         assert _steps_done(out / "metrics.jsonl") == STEPS
         assert "weight-sync group joined by 2 engine(s) of 2 rollout service(s)" in trainer.log()
+        assert not any(w in trainer.log() for w in ("are drawn by none", "admission shares sum", "could not check"))
         served, engines = _versions(services)
         assert served == [STEPS, STEPS] and engines == [STEPS, STEPS], (served, engines)
         assert snapshots > 0

@@ -92,3 +92,14 @@ def test_bad_shard_configs_name_the_key(tmp_path: Path) -> None:
         assert message in str(e.value)
     with pytest.raises(DataError, match="shard 3 of 5 would get no prompt, the data has only 3"):
         DataSource(_cfg(path, 3, 5))
+
+
+def test_the_fingerprint_says_whether_two_sources_draw_the_same_prompts(tmp_path: Path) -> None:
+    """What the trainer compares across services (``/v1/status`` ``data.fingerprint``): equal for
+    every shard of the same data, seed and shuffle; different when any of them differs."""
+    path = _jsonl(tmp_path / "p.jsonl", 6)
+    prints = {DataSource(_cfg(path, i, 3)).state()["fingerprint"] for i in range(3)}
+    assert len(prints) == 1 and prints == {DataSource(DataConfig(path=str(path))).state()["fingerprint"]}
+    others = [DataSource(_cfg(path, 0, 3, seed=1)), DataSource(_cfg(path, 0, 3, shuffle=False)),
+              DataSource(_cfg(_jsonl(tmp_path / "q.jsonl", 6), 0, 3)), DataSource(_cfg(_jsonl(tmp_path / "r.jsonl", 7), 0, 3))]
+    assert len({o.state()["fingerprint"] for o in others} | prints) == 5

@@ -2,7 +2,9 @@
 against real HTTP servers on loopback that answer the rollout control API (no engines, no model):
 every phase reaches every service, engines are listed in service order, an engine listed twice
 and a failing service are errors naming the service, on-demand batches are split as the services'
-engines, a weight-sync failure names the engine and its service."""
+engines, a weight-sync failure names the engine and its service, services whose prompt shards
+collide are refused when the trainer starts (``headrace train`` against fake services and a real
+buffer)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from headrace.shared.config import HeadraceConfig
 from headrace.shared.rollout_client import RolloutError
 from headrace.shared.weight_sync import WeightSyncError
 from headrace.trainer.rollout_control import EngineControl, build_rollout_control
-from headrace.trainer.rollout_services import RolloutServices, split_groups
+from headrace.trainer.rollout_services import RolloutServices, layout_problems, split_groups
 
 
 class FakeService:
@@ -26,6 +28,7 @@ class FakeService:
 
     def __init__(self, engines: list[str]) -> None:
         self.engines, self.calls, self.fail = engines, [], set()
+        self.status: dict[str, Any] = {}   # more /v1/status fields (data, mode, admission)
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,7 +47,8 @@ class FakeService:
                 owner.calls.append(self.path)
                 if self.path == "/v1/engines":
                     return self._answer([{"url": u, "world_size": 1} for u in owner.engines])
-                self._answer({"weight_version": 0, "engines": [{"url": u, "stale": False} for u in owner.engines]})
+                self._answer({"weight_version": 0, "engines": [{"url": u, "stale": False} for u in owner.engines],
+                              **owner.status})
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])) or b"null")
@@ -177,3 +181,83 @@ def test_headrace_train_refuses_the_same_rollout_url_twice(tmp_path) -> None:
                                     "--rollout-url", "http://h:1/"), capture_output=True, text=True, env=child_env(),
                        timeout=120)
     assert r.returncode == 2 and "--rollout-url given twice for the same service" in r.stderr, r.stderr
+
+
+def _st(fingerprint: str, shard: tuple[int, int] | None = None, mode: str = "on_demand", cap: int = 8,
+        share: int = 8) -> dict[str, Any]:
+    data: dict[str, Any] = {"fingerprint": fingerprint}
+    if shard:
+        data["shard"] = {"index": shard[0], "count": shard[1]}
+    return {"data": data, "mode": mode, "admission_cap": cap, "admission_share": share}
+
+
+def test_layout_problems_name_colliding_shards_and_warn_of_gaps() -> None:
+    urls = ["http://a", "http://b"]
+    errors, _ = layout_problems(urls, [_st("f"), _st("f")])
+    assert errors == ["rollout services http://a, http://b draw the same prompts (same data, seed and shuffle) but "
+                      "http://a, http://b have no rollout.data.shard, so prompts would be generated twice; give each "
+                      "service its own shard {index: i, count: 2}"]
+    errors, _ = layout_problems(urls, [_st("f", (0, 2)), _st("f", (0, 2))])
+    assert errors == ["rollout services http://a and http://b both draw shard 0 of 2 of the same prompts: give each "
+                      "its own rollout.data.shard.index (0..1)"]
+    errors, _ = layout_problems(urls, [_st("f", (0, 2)), _st("f", (1, 3))])
+    assert len(errors) == 1 and "http://a (count 2), http://b (count 3)" in errors[0] and "same count" in errors[0]
+    assert layout_problems(urls, [_st("f", (0, 2)), _st("f")])[0][0].endswith(
+        "but http://b has no rollout.data.shard, so prompts would be generated twice; give each service its own "
+        "shard {index: i, count: 2}")
+    errors, warnings = layout_problems(urls, [_st("f", (0, 3)), _st("f", (1, 3))])
+    assert not errors and len(warnings) == 1 and warnings[0].startswith("shard(s) [2] of 3 of the prompts are drawn by none")
+    # different data: nothing to collide; fine as they are, but two continuous services each
+    # admitting against the whole cap put up to 2 x cap ahead of the trainer
+    assert layout_problems(urls, [_st("f"), _st("g")]) == ([], [])
+    errors, warnings = layout_problems(urls, [_st("f", mode="continuous"), _st("g", mode="continuous")])
+    assert not errors and len(warnings) == 1 and "admission shares sum to 16, not the cap 8" in warnings[0]
+    continuous = [_st("f", (0, 2), "continuous", share=6), _st("f", (1, 2), "continuous", share=2)]   # weights [3, 1]
+    assert layout_problems(urls, continuous) == ([], [])
+    continuous[1]["admission_share"] = 4                                      # another weights list there
+    assert "sum to 10, not the cap 8" in layout_problems(urls, continuous)[1][0]
+    assert layout_problems(urls, [{}, {"data": {}}]) == ([], [])              # services that say nothing
+
+
+def test_check_layout_reads_every_service_and_refuses_colliding_shards(two) -> None:
+    a, b = two
+    a.status = _st("f", (0, 2))
+    b.status = _st("f", (0, 2))
+    rs = RolloutServices([a.url, b.url])
+    try:
+        with pytest.raises(RolloutError, match=f"rollout services {a.url} and {b.url} both draw shard 0 of 2"):
+            rs.check_layout()
+        b.status = _st("f", (1, 2))
+        rs.check_layout()
+        assert a.calls.count("/v1/status") == 2 and b.calls.count("/v1/status") == 2
+    finally:
+        rs.close()
+    single = RolloutServices([a.url])
+    single.check_layout()                    # one service: nothing to compare, no call
+    assert a.calls.count("/v1/status") == 2
+    single.close()
+
+
+@pytest.mark.timeout(300)
+def test_headrace_train_refuses_services_drawing_the_same_shard(tmp_path, tiny_model, two) -> None:
+    """Real ``headrace train`` and ``headrace buffer serve`` processes; the two rollout services are
+    fakes reporting shard 0 of 2 of the same prompts: the trainer exits 1 before training, naming them."""
+    import subprocess
+
+    from tests.procs import Proc, child_env, free_port, headrace_cmd
+
+    a, b = two
+    a.status = b.status = _st("f", (0, 2))
+    port = free_port()
+    buffer = Proc(headrace_cmd("buffer", "serve", "--port", str(port), "--memory"), tmp_path / "buffer.log")
+    try:
+        buffer.wait_http(f"http://127.0.0.1:{port}/health", 60)
+        (tmp_path / "run.yaml").write_text(f"model: {tiny_model}\nrun: {{out: {tmp_path / 'out'}}}\n")
+        r = subprocess.run(headrace_cmd("train", "--config", str(tmp_path / "run.yaml"), "--buffer-url",
+                                        f"http://127.0.0.1:{port}", "--rollout-url", a.url, "--rollout-url", b.url),
+                           capture_output=True, text=True, env=child_env(), timeout=240)
+    finally:
+        buffer.stop()
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"rollout services {a.url} and {b.url} both draw shard 0 of 2 of the same prompts" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()
