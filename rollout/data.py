@@ -243,7 +243,9 @@ class DataSource:
                "done_ahead": len(self.done), "outstanding": len(self._outstanding),
                "fingerprint": self.fingerprint}
         if self.shard_count > 1:
-            out["shard"] = {"index": self.shard_index, "count": self.shard_count}
+            weights = self.cfg.shard.weights if self.cfg.shard is not None else None
+            out["shard"] = {"index": self.shard_index, "count": self.shard_count,
+                            **({"weights": list(weights)} if weights is not None else {})}
         return out
 
     # ---- drawing ----

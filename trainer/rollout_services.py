@@ -16,10 +16,11 @@ its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
   then the split is even);
 - ``check_layout()`` (at the trainer's start, k > 1) reads every service's ``/v1/status`` and
   refuses services that draw the same prompts (equal data fingerprints) without disjoint shards of
-  one count (``layout_problems``: a service with no shard next to one with a shard, different
-  counts, one index twice), each error naming the services and the key; it warns of shards no
-  service of this trainer draws and of admission shares that do not sum to the cap (services
-  with different ``weights``, or unsharded ones, each admitting against the whole cap);
+  one count and one weights list (``layout_problems``: a service with no shard next to one with a
+  shard, different counts or weights, one index twice), each error naming the services and the
+  key; it warns of shards no service of this trainer draws and of admission shares that do not
+  sum to the cap (e.g. unsharded services over different data, each admitting against the whole
+  cap);
 - ``evaluate`` splits the held-out prompts over the services (prompts i, i + k, ... to service i:
   every service holds all of them, since sharding splits only the training prompts, and the
   weights are one version everywhere), so every engine takes part; the answer is the whole set's
@@ -30,6 +31,7 @@ With one service every call goes straight to its client.
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -179,12 +181,15 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
     errors: list[str] = []
     warnings: list[str] = []
     same: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    weights: dict[str, Any] = {}   # by service: its shard's weights (None: even shares)
     for url, st in zip(urls, statuses):
         data = st.get("data") or {}
         if data.get("fingerprint"):
             shard = data.get("shard")
             same.setdefault(data["fingerprint"], []).append(
                 (url, (int(shard["index"]), int(shard["count"])) if shard else None))
+            if shard:
+                weights[url] = shard.get("weights")
     for group in same.values():
         if len(group) < 2:
             continue
@@ -199,6 +204,13 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
         if len(counts) > 1:
             errors.append(f"rollout services {', '.join(f'{u} (count {sh[1]})' for u, sh in group if sh)} shard the "
                           "same prompts with different rollout.data.shard.count: give every one the same count")
+            continue
+        lists = {json.dumps(weights.get(u)) for u, _ in group}
+        if len(lists) > 1:
+            named = ", ".join(f"{u} ({weights.get(u) or 'even'})" for u, _ in group)
+            errors.append(f"rollout services {named} shard the same prompts with different "
+                          "rollout.data.shard.weights: give every one the same list (or none), or their admission "
+                          "shares do not add up to the cap")
             continue
         count, owners = counts[0], {}
         for u, sh in group:

@@ -103,3 +103,6 @@ def test_the_fingerprint_says_whether_two_sources_draw_the_same_prompts(tmp_path
     others = [DataSource(_cfg(path, 0, 3, seed=1)), DataSource(_cfg(path, 0, 3, shuffle=False)),
               DataSource(_cfg(_jsonl(tmp_path / "q.jsonl", 6), 0, 3)), DataSource(_cfg(_jsonl(tmp_path / "r.jsonl", 7), 0, 3))]
     assert len({o.state()["fingerprint"] for o in others} | prints) == 5
+    weighted = DataSource(DataConfig(path=str(path), shard={"index": 1, "count": 2, "weights": [3, 1]}))
+    assert weighted.state()["shard"] == {"index": 1, "count": 2, "weights": [3, 1]}
+    assert weighted.state()["fingerprint"] in prints                     # weights do not change the prompts

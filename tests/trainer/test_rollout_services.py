@@ -212,10 +212,19 @@ def test_layout_problems_name_colliding_shards_and_warn_of_gaps() -> None:
     assert layout_problems(urls, [_st("f"), _st("g")]) == ([], [])
     errors, warnings = layout_problems(urls, [_st("f", mode="continuous"), _st("g", mode="continuous")])
     assert not errors and len(warnings) == 1 and "admission shares sum to 16, not the cap 8" in warnings[0]
-    continuous = [_st("f", (0, 2), "continuous", share=6), _st("f", (1, 2), "continuous", share=2)]   # weights [3, 1]
+    continuous = [_st("f", (0, 2), "continuous", share=6), _st("f", (1, 2), "continuous", share=2)]
+    for st in continuous:
+        st["data"]["shard"]["weights"] = [3, 1]
     assert layout_problems(urls, continuous) == ([], [])
-    continuous[1]["admission_share"] = 4                                      # another weights list there
-    assert "sum to 10, not the cap 8" in layout_problems(urls, continuous)[1][0]
+    continuous[1]["data"]["shard"]["weights"] = [1, 1]                        # another list there: shares 6 + 4
+    continuous[1]["admission_share"] = 4
+    errors, warnings = layout_problems(urls, continuous)
+    assert errors == ["rollout services http://a ([3, 1]), http://b ([1, 1]) shard the same prompts with different "
+                      "rollout.data.shard.weights: give every one the same list (or none), or their admission "
+                      "shares do not add up to the cap"]
+    assert "sum to 10, not the cap 8" in warnings[0]
+    del continuous[1]["data"]["shard"]["weights"]                             # none there: "even"
+    assert "http://b (even)" in layout_problems(urls, continuous)[0][0]
     assert layout_problems(urls, [{}, {"data": {}}]) == ([], [])              # services that say nothing
 
 
