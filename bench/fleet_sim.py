@@ -185,6 +185,7 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
     import yaml
 
     from headrace.deploy.plan import engine_blocks
+    from headrace.shared.staleness import split_by_weights
     from tests.procs import Proc, child_env, free_port, headrace_cmd
 
     e, k = len(urls), args.services
@@ -221,8 +222,7 @@ def rollout_figure(args: argparse.Namespace, tmp: Path, model: Path, urls: list[
                 raise RuntimeError(f"generate_batch: {r.status_code} {r.text[:500]}\n{svcs[i].log()[-3000:]}")
 
         def batch(groups: int) -> float:
-            shares = [groups * len(b) // e for b in blocks]
-            shares[0] += groups - sum(shares)
+            shares = split_by_weights(groups, [len(b) for b in blocks])
             t0 = time.perf_counter()
             for f in [pool.submit(one, i, n) for i, n in enumerate(shares) if n]:
                 f.result()

@@ -51,9 +51,7 @@ def admission_cap(max_staleness: int, groups_per_step: int) -> int:
 
 def admission_share(cap: int, index: int, count: int, weights: Sequence[int] | None = None) -> int:
     """Service ``index`` of ``count``'s share of ``cap`` (``admission_shares``)."""
-    if weights is None:
-        return max(1, cap // count + (1 if index < cap % count else 0))
-    return admission_shares(cap, count, tuple(weights))[index]
+    return admission_shares(cap, count, None if weights is None else tuple(weights))[index]
 
 
 @functools.lru_cache(maxsize=64)
