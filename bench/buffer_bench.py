@@ -135,6 +135,18 @@ def post_all(client: httpx.Client, url: str, bodies: list[bytes], ctype: str = "
     return sum(map(len, bodies)) / (time.perf_counter() - t0)
 
 
+def post_concurrent(clients: list[httpx.Client], url: str, bodies: list[bytes], ctype: str) -> float:
+    """``post_all`` from ``len(clients)`` threads at once (each its own connection, body i from
+    thread i % n): bytes per second over the whole of it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = len(clients)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda i: post_all(clients[i], url, bodies[i::n], ctype), range(n)))
+    return sum(map(len, bodies)) / (time.perf_counter() - t0)
+
+
 def codec_costs(rng: np.random.Generator, per_request: int, lease_groups: int, reps: int = 3) -> None:
     """In this process, back to back (so load hits both alike): what the buffer does with one
     request body and what the trainer does with one lease answer, rows vs columns; medians."""
@@ -178,6 +190,8 @@ def main() -> int:
                     help="buffer with --memory (no fsync): what the ingest path costs without the disk")
     ap.add_argument("--durability", choices=("process_crash", "power_loss"), default="process_crash",
                     help="buffer.durability of the file store (power_loss: an fsync per commit)")
+    ap.add_argument("--producers", type=int, default=1,
+                    help="ingest from this many concurrent connections too (columns only; 1: serial alone)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_server:
@@ -212,6 +226,19 @@ def main() -> int:
                 rates["rows"].append(post_all(c, buf_url + "/v1/groups", bodies))
                 rates["bare columns"].append(post_all(c, bare_url + "/ingest", cbodies, columns.COLUMNS))
                 rates["columns"].append(post_all(c, buf_url + "/v1/groups", cbodies, columns.COLUMNS))
+            if args.producers > 1:   # fresh column bodies (new ids), posted by several producers at once
+                conc = [httpx.Client(timeout=120) for _ in range(args.producers)]
+                try:
+                    rates[f"bare x{args.producers}"], rates[f"columns x{args.producers}"] = [], []
+                    for i in range(args.rounds):
+                        fresh = make_bodies(rng, f"p{i}", args.requests, args.groups_per_request, True)
+                        rates[f"bare x{args.producers}"].append(post_concurrent(conc, bare_url + "/ingest", fresh,
+                                                                                 columns.COLUMNS))
+                        rates[f"columns x{args.producers}"].append(post_concurrent(conc, buf_url + "/v1/groups",
+                                                                                    fresh, columns.COLUMNS))
+                finally:
+                    for x in conc:
+                        x.close()
         mbs = {k: statistics.median(v) / 1e6 for k, v in rates.items()}
         for k, v in rates.items():
             print(f"{k:14s}: {mbs[k]:8.1f} MB/s  (rounds: {', '.join(f'{r / 1e6:.0f}' for r in v)})")
@@ -219,6 +246,10 @@ def main() -> int:
             groups_s = mbs[form] * 1e6 / (len(body) / args.groups_per_request)
             print(f"ingest ratio, {form:7s}: {mbs[form] / mbs['bare ' + form]:.2f} of the bare endpoint, "
                   f"{groups_s:.0f} groups/s" + (" (target >= 0.60)" if form == "columns" else ""))
+        if args.producers > 1:
+            k = args.producers
+            print(f"ingest ratio, columns from {k} producers at once: {mbs[f'columns x{k}'] / mbs[f'bare x{k}']:.2f} "
+                  f"of the bare endpoint from {k} ({mbs[f'columns x{k}']:.0f} against {mbs[f'bare x{k}']:.0f} MB/s)")
 
         # lease + ack: as the trainer does it (validated models), trusting the buffer (validate=False),
         # and the server alone (answer bytes not decoded); alternating, fresh groups each time
