@@ -18,7 +18,10 @@ Guarantees:
   shard gets ``len / count`` items per epoch (one more for the lower indexes when it does not
   divide). The watermark counts only owned positions (the others are other shards'); the cursor
   file is per shard (``shard_state_path``) and records its shard: a file of another shard or count
-  is refused.
+  is refused. With ``split: false`` (services over different data on one buffer) the source draws
+  every position of its own data, as unsharded, but keeps the per-shard cursor file (recording the
+  split, so a split shard's file is refused) and prefixes its keys with ``s<index>of<count>``: two
+  such services never share a cursor or a group id, even under one ``rollout.run_id``.
 - ``state()`` carries a ``fingerprint`` of what fixes the prompts' order (source, task options,
   size, seed, shuffle, item count): services with equal fingerprints draw the same prompts in the
   same order, so a trainer driving several can tell whether their shards must be disjoint.
@@ -55,10 +58,11 @@ class PromptItem:
     prompt: str | list[dict[str, Any]]
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    source: str = ""   # "s<index>of<count>" for a service with ``data.shard.split: false``: its positions are its own
 
     @property
     def key(self) -> str:
-        return f"e{self.epoch}-g{self.position}"
+        return f"{self.source}-e{self.epoch}-g{self.position}" if self.source else f"e{self.epoch}-g{self.position}"
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -183,7 +187,10 @@ class DataSource:
         self.cfg = cfg
         self.items = load_items(cfg)
         shard = cfg.shard if cfg.shard is not None and cfg.shard.count > 1 else None
-        self.shard_index, self.shard_count = (shard.index, shard.count) if shard else (0, 1)
+        self.shard = shard   # the service's place among k (cursor file, group ids, status)
+        # the prompts drawn: shard index of count, or all of them (no shard, or ``split: false``)
+        self.shard_index, self.shard_count = (shard.index, shard.count) if shard and shard.split else (0, 1)
+        self._source = "" if shard is None or shard.split else f"s{shard.index}of{shard.count}"
         if self.shard_index >= len(self.items):
             raise DataError(f"data.shard: shard {self.shard_index} of {self.shard_count} would get no prompt, the "
                             f"data has only {len(self.items)}: use at most {len(self.items)} shards")
@@ -219,11 +226,14 @@ class DataSource:
         if st.get("size") not in (None, len(self.items)):
             raise DataError(f"{self.state_path}: cursor is for {st.get('size')} prompts, data has {len(self.items)}; "
                             "delete the file to start over")
-        shard = st.get("shard", [0, 1])
-        if shard != [self.shard_index, self.shard_count]:
+        shard, mine = st.get("shard", [0, 1]), [self.shard.index, self.shard.count] if self.shard else [0, 1]
+        if shard != mine:
             raise DataError(f"{self.state_path}: cursor is for shard {shard} (index, count), data.shard is "
-                            f"[{self.shard_index}, {self.shard_count}]; give each shard its own state_path, or "
-                            "delete the file to start over")
+                            f"{mine}; give each shard its own state_path, or delete the file to start over")
+        if bool(st.get("split", True)) != (self.shard is None or self.shard.split):
+            raise DataError(f"{self.state_path}: cursor is for data.shard.split {st.get('split', True)}, the config "
+                            f"says {not st.get('split', True)}: its positions mean other prompts; give it its own "
+                            "state_path, or delete the file to start over")
 
     def _save(self) -> None:
         if not self.state_path:
@@ -232,8 +242,10 @@ class DataSource:
         tmp = self.state_path.with_name(self.state_path.name + ".tmp")
         st: dict[str, Any] = {"watermark": self.watermark, "done": sorted(self.done), "size": len(self.items),
                               "seed": self.cfg.seed}
-        if self.shard_count > 1:
-            st["shard"] = [self.shard_index, self.shard_count]
+        if self.shard is not None:
+            st["shard"] = [self.shard.index, self.shard.count]
+            if not self.shard.split:
+                st["split"] = False
         tmp.write_text(json.dumps(st))
         os.replace(tmp, self.state_path)
 
@@ -242,10 +254,11 @@ class DataSource:
         out = {"epoch": self.watermark // n, "position": self.watermark % n, "watermark": self.watermark,
                "done_ahead": len(self.done), "outstanding": len(self._outstanding),
                "fingerprint": self.fingerprint}
-        if self.shard_count > 1:
-            weights = self.cfg.shard.weights if self.cfg.shard is not None else None
-            out["shard"] = {"index": self.shard_index, "count": self.shard_count,
-                            **({"weights": list(weights)} if weights is not None else {})}
+        if self.shard is not None:
+            weights = self.shard.weights
+            out["shard"] = {"index": self.shard.index, "count": self.shard.count,
+                            **({"weights": list(weights)} if weights is not None else {}),
+                            **({} if self.shard.split else {"split": False})}
         return out
 
     # ---- drawing ----
@@ -288,7 +301,7 @@ class DataSource:
         self._outstanding.add(g)
         epoch, i = divmod(g, n)
         prompt, label, meta = self.items[self._perm(epoch)[i]]
-        return PromptItem(position=g, epoch=epoch, prompt=prompt, label=label, metadata=dict(meta))
+        return PromptItem(position=g, epoch=epoch, prompt=prompt, label=label, metadata=dict(meta), source=self._source)
 
     def mark_done(self, item: PromptItem) -> None:
         """Record a slot as finished (pushed, filtered or failed) and persist the cursor."""

@@ -137,7 +137,8 @@ class EnginesConfig(_Section):
 
 
 class ShardConfig(_Section):
-    """This rollout service's share of the prompts when several feed one buffer: slot i of each epoch goes to i % count."""
+    """This rollout service's place among several feeding one buffer: its share of the prompts (slot i of
+    each epoch goes to i % count) and of the continuous admission cap; with ``split: false`` of the cap alone."""
 
     read_by: ClassVar[str] = "rollout"
     index: int = Field(default=0, ge=0, le=100_000, description="this service's shard, 0 <= index < count")
@@ -147,6 +148,10 @@ class ShardConfig(_Section):
         default=None, description="continuous mode: each service's share of the admission cap, in "
         "proportion: one integer 1..1000000 per service, the same list in every service's config (e.g. "
         "their engine counts; `headrace run` sets them); null: even shares")
+    split: bool = Field(default=True, description="true: the services share one set of prompts and this one "
+                        "draws only its shard of them; false: it draws every prompt of its own data (services over "
+                        "different data on one buffer) and keeps only its share of the admission cap, its own "
+                        "cursor file and its own group ids")
 
     @model_validator(mode="after")
     def _index_below_count(self) -> "ShardConfig":
@@ -187,7 +192,8 @@ class DataConfig(_Section):
                                   "(jsonl / parquet; with `task` they are drawn from the task)")
     eval_size: int = Field(default=64, ge=1, le=1_000_000, description="`task`: held-out items drawn for evaluation")
     shard: ShardConfig | None = Field(default=None, description="several rollout services on one buffer: this "
-                                      "one draws only its shard's prompts, with its own cursor file (`state_path` "
+                                      "one draws only its shard's prompts (every prompt of its own data with "
+                                      "`split: false`), with its own cursor file (`state_path` "
                                       "with `.shard<index>of<count>` before its suffix); evaluation still uses every "
                                       "held-out prompt (null: every prompt)")
 

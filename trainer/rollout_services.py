@@ -16,11 +16,12 @@ its own ``rollout.data.shard``), behind the interface of one ``RolloutClient``.
   then the split is even);
 - ``check_layout()`` (at the trainer's start, k > 1) reads every service's ``/v1/status`` and
   refuses services that draw the same prompts (equal data fingerprints) without disjoint shards of
-  one count and one weights list (``layout_problems``: a service with no shard next to one with a
-  shard, different counts or weights, one index twice), each error naming the services and the
-  key; it warns of shards no service of this trainer draws and of admission shares that do not
-  sum to the cap (e.g. unsharded services over different data, each admitting against the whole
-  cap);
+  one count and one weights list (``layout_problems``: a service with no shard, or ``split:
+  false``, next to one with a shard, different counts or weights, one index twice) and services
+  over different data whose group ids would collide (one ``run_id``, the same key prefix), each
+  error naming the services and the key; it warns of shards no service of this trainer draws and
+  of admission shares that do not sum to the cap (e.g. unsharded services over different data,
+  each admitting against the whole cap, where ``split: false`` shards would split it);
 - ``evaluate`` splits the held-out prompts over the services (prompts i, i + k, ... to service i:
   every service holds all of them, since sharding splits only the training prompts, and the
   weights are one version everywhere), so every engine takes part; the answer is the whole set's
@@ -182,14 +183,19 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
     warnings: list[str] = []
     same: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
     weights: dict[str, Any] = {}   # by service: its shard's weights (None: even shares)
+    ids: dict[tuple[str, str], list[tuple[str, str]]] = {}   # (run_id, key prefix) -> [(service, fingerprint)]
     for url, st in zip(urls, statuses):
         data = st.get("data") or {}
+        shard = data.get("shard")
+        own = bool(shard) and shard.get("split") is False   # draws all of its own prompts (admission share only)
         if data.get("fingerprint"):
-            shard = data.get("shard")
             same.setdefault(data["fingerprint"], []).append(
-                (url, (int(shard["index"]), int(shard["count"])) if shard else None))
-            if shard:
+                (url, (int(shard["index"]), int(shard["count"])) if shard and not own else None))
+            if shard and not own:
                 weights[url] = shard.get("weights")
+            if st.get("run_id"):
+                tag = f"s{shard['index']}of{shard['count']}" if own else ""
+                ids.setdefault((str(st["run_id"]), tag), []).append((url, data["fingerprint"]))
     for group in same.values():
         if len(group) < 2:
             continue
@@ -198,8 +204,8 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
         if loose:
             errors.append(f"rollout services {', '.join(u for u, _ in group)} draw the same prompts (same data, seed "
                           f"and shuffle) but {', '.join(loose)} {'has' if len(loose) == 1 else 'have'} no "
-                          "rollout.data.shard, so prompts would be generated twice; give each service its own "
-                          f"shard {{index: i, count: {len(group)}}}")
+                          "rollout.data.shard (or one with split: false), so prompts would be generated twice; "
+                          f"give each service its own shard {{index: i, count: {len(group)}}}")
             continue
         if len(counts) > 1:
             errors.append(f"rollout services {', '.join(f'{u} (count {sh[1]})' for u, sh in group if sh)} shard the "
@@ -224,6 +230,14 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
             warnings.append(f"shard(s) {missing} of {count} of the prompts are drawn by none of this trainer's "
                             f"rollout services ({', '.join(owners.values())}): those prompts are trained on only "
                             "if another service draws them, and its engines are not synced by this trainer")
+    for (run_id, _), members in ids.items():   # the same prompts twice are refused above; here other data
+        clash = [(a, b) for i, (a, fa) in enumerate(members) for b, fb in members[i + 1:] if fa != fb]
+        for a, b in clash:
+            errors.append(f"rollout services {a} and {b} draw different prompts under the same run_id {run_id!r}: "
+                          "their group ids (<run_id>-e<epoch>-g<position>) would collide and the buffer would keep "
+                          "only one group of each pair; give each its own rollout.state_path (its cursor file, from which "
+                          "the default run_id comes) and run_id, or rollout.data.shard {index: i, count: k, split: "
+                          "false}, which keeps both apart")
     live = [st for st in statuses if st.get("mode") == "continuous" and "admission_share" in st]
     caps = {st.get("admission_cap") for st in live}
     if len(live) > 1 and len(caps) == 1:
@@ -232,7 +246,7 @@ def layout_problems(urls: Sequence[str], statuses: Sequence[dict[str, Any]]) -> 
             warnings.append(f"the continuous rollout services' admission shares sum to {total}, not the cap {cap}: "
                             f"up to ~{cap + total} groups may be ahead of the trainer (services without "
                             "rollout.data.shard each admit against the whole cap; give every service the same "
-                            "shard count and weights)")
+                            "shard count and weights, with split: false where their data differ)")
     return errors, warnings
 
 

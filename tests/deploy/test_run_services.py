@@ -75,7 +75,7 @@ def test_headrace_run_with_two_rollout_services(tmp_path: Path, tiny_model: Path
     urls = []
     for i in (0, 1):
         sc = yaml.safe_load((out / f"rollout{i}.yaml").read_text())
-        assert sc["rollout"]["data"]["shard"] == {"index": i, "count": 2, "weights": [1, 1]}
+        assert sc["rollout"]["data"]["shard"] == {"index": i, "count": 2, "weights": [1, 1], "split": True}
         assert sc["rollout"]["engines"]["count"] == 1 and sc["rollout"]["engines"]["base_port"] == base + i
         assert sc["run"]["rollout_services"] == 1
         assert (out / "logs" / f"rollout{i}.log").stat().st_size > 0

@@ -147,16 +147,20 @@ def test_two_sharded_rollout_services_feed_one_buffer_and_one_trainer(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("weights, shares", [(None, [4, 4]), ([3, 1], [6, 2])], ids=["even", "weighted"])
+@pytest.mark.parametrize("weights, shares, split", [(None, [4, 4], True), ([3, 1], [6, 2], True), (None, [4, 4], False)],
+                         ids=["even", "weighted", "different-data"])
 def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(
-        tmp_path: Path, tiny_model: Path, weights: list[int] | None, shares: list[int]) -> None:
+        tmp_path: Path, tiny_model: Path, weights: list[int] | None, shares: list[int], split: bool) -> None:
     """No trainer consumes: each service generates ahead until the admission rule stops it. With
     the cap counted per service (as one service alone does) two of them filled the buffer to twice
     the cap; with their shares of it (``shared.staleness.admits``: even, or by ``shard.weights``)
-    they stop below that."""
+    they stop below that. ``different-data``: two prompt files, ``split: false`` and one
+    ``rollout.run_id``: each draws its own prompts, takes its share of the cap, and no group id is
+    shared (the buffer counts no duplicate)."""
     cap = 2 * GROUPS * 2          # (max_staleness 1 + 1) x groups_per_step (GROUPS * 2)
     assert sum(shares) == cap
     prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, label=lambda i: str(i + 1))
+    data = [prompts, prompts if split else write_prompts(tmp_path / "other.jsonl", PROMPTS + 3, label=str)]
     pb = free_port()
     buffer_url = f"http://127.0.0.1:{pb}"
     ports = [free_port(), free_port()]
@@ -171,10 +175,12 @@ def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(
             config.write_text(yaml.safe_dump({
                 "model": str(tiny_model), "buffer": {"url": buffer_url, "max_staleness": 1},
                 "rollout": {"engines": {"backend": "reference", "count": 1, "base_port": free_port()},
-                            "data": {"path": str(prompts), "shard": {"index": index, "count": 2, "weights": weights}},
+                            "data": {"path": str(data[index]),
+                                     "shard": {"index": index, "count": 2, "weights": weights, "split": split}},
                             "n_samples_per_prompt": 2, "groups_per_step": GROUPS * 2, "mode": "continuous",
                             "sampling": {"temperature": 1.0, "max_new_tokens": 4}, "reward": "exact_match",
-                            "state_path": str(tmp_path / "rollout_state.json"), "stats_interval_s": 0.1},
+                            "state_path": str(tmp_path / "rollout_state.json"), "stats_interval_s": 0.1,
+                            **({} if split else {"run_id": "one-run"})},
                 "run": {"out": str(tmp_path / "run")}}))
             procs.append(Proc(headrace_cmd("rollout", "serve", "--config", str(config), "--port", str(port)),
                               tmp_path / f"rollout{index}.log"))
@@ -193,6 +199,9 @@ def test_two_continuous_services_without_a_trainer_stay_below_twice_the_cap(
         assert [(st["admission_cap"], st["admission_share"]) for st in statuses] == [(cap, x) for x in shares]
         assert all(st["produced"] > 0 for st in statuses), statuses
         assert cap <= queued < 2 * cap, (queued, [st["produced"] for st in statuses])
+        assert httpx.get(f"{buffer_url}/v1/stats", timeout=30).json()["duplicates"] == 0
+        assert len({st["data"]["fingerprint"] for st in statuses}) == (1 if split else 2)
+        assert [st["data"]["shard"].get("split", True) for st in statuses] == [split, split]
     finally:
         for p in reversed(procs):
             p.stop()

@@ -106,3 +106,30 @@ def test_the_fingerprint_says_whether_two_sources_draw_the_same_prompts(tmp_path
     weighted = DataSource(DataConfig(path=str(path), shard={"index": 1, "count": 2, "weights": [3, 1]}))
     assert weighted.state()["shard"] == {"index": 1, "count": 2, "weights": [3, 1]}
     assert weighted.state()["fingerprint"] in prints                     # weights do not change the prompts
+
+
+def test_split_false_draws_every_prompt_of_its_own_data_with_its_own_cursor_and_keys(tmp_path: Path) -> None:
+    """``split: false`` (services over different data on one buffer): the prompts and their order are
+    the unsharded source's; the cursor file is the shard's and records the split (a split shard's
+    file is refused, and the other way round); keys carry ``s<index>of<count>``."""
+    path = _jsonl(tmp_path / "p.jsonl", 5)
+    state = tmp_path / "rollout_state.json"
+    own = DataConfig(path=str(path), epochs=1, seed=4, shard={"index": 1, "count": 2, "split": False})
+    got = _draw_all(DataSource(own, state))
+    whole = _draw_all(DataSource(DataConfig(path=str(path), epochs=1, seed=4)))
+    assert [(it.position, it.label) for it in got] == [(it.position, it.label) for it in whole]
+    assert [it.key for it in got] == [f"s1of2-e0-g{g}" for g in range(5)]
+    assert whole[0].key == "e0-g0"                                          # unchanged without split: false
+    cursor = tmp_path / "rollout_state.shard1of2.json"
+    assert json.loads(cursor.read_text())["shard"] == [1, 2] and json.loads(cursor.read_text())["split"] is False
+    again = DataSource(own, state)
+    assert again.next() is None                                             # the epoch is done: restart kept it
+    assert again.state()["shard"] == {"index": 1, "count": 2, "split": False}
+    with pytest.raises(DataError, match="cursor is for data.shard.split False, the config says True"):
+        DataSource(_cfg(path, 1, 2), state)
+    split = DataSource(_cfg(path, 0, 2), tmp_path / "t.json")
+    split.mark_done(split.next())
+    with pytest.raises(DataError, match="cursor is for data.shard.split True, the config says False"):
+        DataSource(DataConfig(path=str(path), shard={"index": 0, "count": 2, "split": False}), tmp_path / "t.json")
+    # more services than prompts is fine when each draws its own
+    assert DataSource(DataConfig(path=str(path), shard={"index": 6, "count": 7, "split": False})).next() is not None

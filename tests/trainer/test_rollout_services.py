@@ -195,16 +195,16 @@ def test_layout_problems_name_colliding_shards_and_warn_of_gaps() -> None:
     urls = ["http://a", "http://b"]
     errors, _ = layout_problems(urls, [_st("f"), _st("f")])
     assert errors == ["rollout services http://a, http://b draw the same prompts (same data, seed and shuffle) but "
-                      "http://a, http://b have no rollout.data.shard, so prompts would be generated twice; give each "
-                      "service its own shard {index: i, count: 2}"]
+                      "http://a, http://b have no rollout.data.shard (or one with split: false), so prompts would be "
+                      "generated twice; give each service its own shard {index: i, count: 2}"]
     errors, _ = layout_problems(urls, [_st("f", (0, 2)), _st("f", (0, 2))])
     assert errors == ["rollout services http://a and http://b both draw shard 0 of 2 of the same prompts: give each "
                       "its own rollout.data.shard.index (0..1)"]
     errors, _ = layout_problems(urls, [_st("f", (0, 2)), _st("f", (1, 3))])
     assert len(errors) == 1 and "http://a (count 2), http://b (count 3)" in errors[0] and "same count" in errors[0]
     assert layout_problems(urls, [_st("f", (0, 2)), _st("f")])[0][0].endswith(
-        "but http://b has no rollout.data.shard, so prompts would be generated twice; give each service its own "
-        "shard {index: i, count: 2}")
+        "but http://b has no rollout.data.shard (or one with split: false), so prompts would be generated twice; "
+        "give each service its own shard {index: i, count: 2}")
     errors, warnings = layout_problems(urls, [_st("f", (0, 3)), _st("f", (1, 3))])
     assert not errors and len(warnings) == 1 and warnings[0].startswith("shard(s) [2] of 3 of the prompts are drawn by none")
     # different data: nothing to collide; fine as they are, but two continuous services each
@@ -226,6 +226,38 @@ def test_layout_problems_name_colliding_shards_and_warn_of_gaps() -> None:
     del continuous[1]["data"]["shard"]["weights"]                             # none there: "even"
     assert "http://b (even)" in layout_problems(urls, continuous)[0][0]
     assert layout_problems(urls, [{}, {"data": {}}]) == ([], [])              # services that say nothing
+
+
+def _own(st: dict[str, Any], run_id: str | None = None) -> dict[str, Any]:
+    """``st`` with ``data.shard.split: false`` (and ``run_id``)."""
+    st["data"]["shard"]["split"] = False
+    if run_id:
+        st["run_id"] = run_id
+    return st
+
+
+def test_layout_problems_of_services_over_different_data() -> None:
+    """``split: false``: every prompt of its own data, a share of the cap; the same data that way is
+    drawn twice; group ids of different data under one run_id collide unless split: false keeps them apart."""
+    urls = ["http://a", "http://b"]
+    own = [_own(_st("f", (0, 2), "continuous", share=4), "r"), _own(_st("g", (1, 2), "continuous", share=4), "r")]
+    assert layout_problems(urls, own) == ([], [])           # one run_id, but keys s0of2-... and s1of2-...
+    errors, _ = layout_problems(urls, [_own(_st("f", (0, 2))), _own(_st("f", (1, 2)))])
+    assert errors and "have no rollout.data.shard (or one with split: false), so prompts would be generated twice" \
+        in errors[0]
+    clash = [dict(_st("f"), run_id="r"), dict(_st("g"), run_id="r")]
+    errors, _ = layout_problems(urls, clash)
+    assert errors == ["rollout services http://a and http://b draw different prompts under the same run_id 'r': "
+                      "their group ids (<run_id>-e<epoch>-g<position>) would collide and the buffer would keep only "
+                      "one group of each pair; give each its own rollout.state_path (its cursor file, from which the "
+                      "default run_id comes) and run_id, or rollout.data.shard {index: i, count: k, split: false}, "
+                      "which keeps both apart"]
+    clash[1]["run_id"] = "q"
+    assert layout_problems(urls, clash) == ([], [])
+    split_and_own = [dict(_st("f", (0, 2)), run_id="r"), _own(_st("g", (0, 2)), "r")]   # keys e.. and s0of2-e..
+    assert layout_problems(urls, split_and_own) == ([], [])
+    twice = [_own(_st("f", (0, 2)), "r"), _own(_st("g", (0, 2)), "r")]              # both s0of2-...
+    assert "under the same run_id 'r'" in layout_problems(urls, twice)[0][0]
 
 
 def test_check_layout_reads_every_service_and_refuses_colliding_shards(two) -> None:
