@@ -230,9 +230,10 @@ class DataSource:
         if shard != mine:
             raise DataError(f"{self.state_path}: cursor is for shard {shard} (index, count), data.shard is "
                             f"{mine}; give each shard its own state_path, or delete the file to start over")
-        if bool(st.get("split", True)) != (self.shard is None or self.shard.split):
-            raise DataError(f"{self.state_path}: cursor is for data.shard.split {st.get('split', True)}, the config "
-                            f"says {not st.get('split', True)}: its positions mean other prompts; give it its own "
+        split = bool(st.get("split", True))
+        if split != (self.shard is None or self.shard.split):
+            raise DataError(f"{self.state_path}: cursor is for data.shard.split: {json.dumps(split)}, the config "
+                            f"says {json.dumps(not split)}: its positions mean other prompts; give it its own "
                             "state_path, or delete the file to start over")
 
     def _save(self) -> None:

@@ -125,11 +125,11 @@ def test_split_false_draws_every_prompt_of_its_own_data_with_its_own_cursor_and_
     again = DataSource(own, state)
     assert again.next() is None                                             # the epoch is done: restart kept it
     assert again.state()["shard"] == {"index": 1, "count": 2, "split": False}
-    with pytest.raises(DataError, match="cursor is for data.shard.split False, the config says True"):
+    with pytest.raises(DataError, match="cursor is for data.shard.split: false, the config says true"):
         DataSource(_cfg(path, 1, 2), state)
     split = DataSource(_cfg(path, 0, 2), tmp_path / "t.json")
     split.mark_done(split.next())
-    with pytest.raises(DataError, match="cursor is for data.shard.split True, the config says False"):
+    with pytest.raises(DataError, match="cursor is for data.shard.split: true, the config says false"):
         DataSource(DataConfig(path=str(path), shard={"index": 0, "count": 2, "split": False}), tmp_path / "t.json")
     # more services than prompts is fine when each draws its own
     assert DataSource(DataConfig(path=str(path), shard={"index": 6, "count": 7, "split": False})).next() is not None
