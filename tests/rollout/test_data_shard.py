@@ -83,7 +83,9 @@ def test_bad_shard_configs_name_the_key(tmp_path: Path) -> None:
              "{index: 0, count: 2, weights: [3, 1, 1]}": "weights has 3 entries but count is 2",
              "{index: 0, count: 2, weights: [3, 0]}": "weights [3, 0]: each must be an integer from 1 to 1000000",
              "{index: 0, count: 2, weights: [3, 1.5]}": "rollout.data.shard.weights.1",
-             "{index: 0, count: 2, weights: 3}": "rollout.data.shard.weights"}
+             "{index: 0, count: 2, weights: 3}": "rollout.data.shard.weights",
+             "{index: 0, count: 2, split: maybe}": "rollout.data.shard.split",
+             "{index: 0, count: 2, split: [false]}": "rollout.data.shard.split"}
     cfg = tmp_path / "run.yaml"
     for value, message in cases.items():
         cfg.write_text(f"rollout:\n  data:\n    path: {path}\n    shard: {value}\n")
