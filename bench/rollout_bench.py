@@ -105,11 +105,13 @@ async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampli
         await wire.close()
 
 
-def service_round(client: RolloutClient, groups: int) -> float:
+def service_round(client: RolloutClient, groups: int, version: int | None) -> float:
     """One ``generate_batch`` through the trainer's own client (persistent connection: creating an
-    httpx client costs 50-80 ms here, which a round must not pay when the trainer does not)."""
+    httpx client costs 50-80 ms here, which a round must not pay when the trainer does not),
+    naming the weight version as the trainer does once it has synced the engines (``version``
+    None: the service asks every engine, as at a trainer's first step)."""
     t0 = time.perf_counter()
-    got = client.generate_batch(groups)
+    got = client.generate_batch(groups, version)
     dt = time.perf_counter() - t0
     assert got["groups"] == groups, got
     return dt
@@ -132,6 +134,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
+    ap.add_argument("--ask-engines", action="store_true",
+                    help="service rounds name no weight version: the service reads it from every engine")
     ap.add_argument("--direct-batch", type=int, default=32,
                     help="sequences per request of the batched direct baseline (the service's engines.coalesce_max)")
     args = ap.parse_args()
@@ -182,7 +186,8 @@ def main() -> None:
         # warm-up every path (engine caches, connection pools, first-call imports)
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling))
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling, args.direct_batch))
-        service_round(rollout, args.groups)
+        version = None if args.ask_engines else 0   # what the engines serve: the trainer knows it
+        service_round(rollout, args.groups, version)
         times: dict[str, list[float]] = {"direct": [], "direct_batched": [], "service": []}
         cpu = dict.fromkeys(times, 0.0)
         offset = args.groups
@@ -191,7 +196,7 @@ def main() -> None:
             for which in order[r % 3:] + order[:r % 3]:
                 if which == "service":
                     c0 = cpu_seconds(svc.pid)
-                    times[which].append(service_round(rollout, args.groups))
+                    times[which].append(service_round(rollout, args.groups, version))
                     cpu[which] += cpu_seconds(svc.pid) - c0
                 else:
                     c0 = time.process_time()

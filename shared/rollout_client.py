@@ -61,8 +61,13 @@ class RolloutClient:
         ``v<weight_version>`` (repeatable: engines that have it are skipped); 502 names failing engines."""
         return self._call("POST", "/v1/load_adapter", {"path": path, "weight_version": weight_version})
 
-    def generate_batch(self, groups: int) -> dict[str, Any]:
-        return self._call("POST", "/v1/generate_batch", {"groups": groups}, retry=False)
+    def generate_batch(self, groups: int, weight_version: int | None = None) -> dict[str, Any]:
+        """On-demand: ``groups`` new groups into the buffer. ``weight_version`` names the weights the
+        engines serve (the caller synced them); without it the service asks every engine."""
+        body: dict[str, Any] = {"groups": groups}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._call("POST", "/v1/generate_batch", body, retry=False)
 
     def release_memory(self, tags: list[str] | None = None) -> dict[str, Any]:
         return self._call("POST", "/v1/release_memory", {"tags": tags or ["weights", "kv_cache"]})

@@ -31,7 +31,10 @@ before the error ends the step; the rollout resumes only after every engine conf
 engine, and the step fails with its lease released); evaluation (``eval_score`` = pass@1 on the
 held-out prompts, ``eval_reward_mean``) runs at step 0 of a fresh run, every ``run.eval_every``
 steps and at the last step (``trainer.steps``): it owns that cadence like the checkpointer owns its
-own; memory released for a step that then fails is resumed at ``close``.
+own; memory released for a step that then fails is resumed at ``close``. ``generate_batch`` names
+the weight version that this process last pushed and resumed with, so the service tags the batch
+without asking every engine; before the first resume, and from the start of a sync until the
+resume after it, it names none (the service then reads the engines' version).
 """
 
 from __future__ import annotations
@@ -130,6 +133,10 @@ class EngineControl:
                                            token=cfg.auth.token)
             self.rollout.check_layout()   # several services: their prompt shards must not collide
         self.released = False
+        # the version this process last pushed to every engine and resumed with: generate_batch names
+        # it, so the service need not ask each engine (None until then: a restarted trainer's engines
+        # may hold anything, and the service's reading of them decides)
+        self.synced: int | None = None
         self.times: dict[str, float] = {}
 
     def _timed(self, name: str, call: Any) -> None:
@@ -140,7 +147,7 @@ class EngineControl:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
     def generate(self) -> None:
-        self._timed("generate_s", lambda: self.rollout.generate_batch(self.cfg.rollout.groups_per_step))
+        self._timed("generate_s", lambda: self.rollout.generate_batch(self.cfg.rollout.groups_per_step, self.synced))
 
     def release_memory(self) -> None:
         self._timed("release_memory_s", lambda: self.rollout.release_memory())
@@ -154,9 +161,12 @@ class EngineControl:
         self._timed("pause_s", lambda: self.rollout.pause("abort"))
 
     def resume(self, version: int) -> None:
+        self.synced = None   # unknown if the call fails half-way
         self._timed("resume_s", lambda: self.rollout.resume(version))
+        self.synced = version
 
     def sync_weights(self, st: Any) -> None:
+        self.synced = None   # the engines may hold either version until the resume that follows
         if adapter_mode(self.cfg):    # trainer.lora_sync: adapter: a PEFT directory, loaded by every engine
             from headrace.trainer.lora_adapter_sync import sync_adapter
 

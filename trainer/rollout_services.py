@@ -136,14 +136,14 @@ class RolloutServices:
             return answers[0]
         return {"engines": sum(int((a or {}).get("engines", 0)) for a in answers), "services": answers}
 
-    def generate_batch(self, groups: int) -> dict[str, Any]:
+    def generate_batch(self, groups: int, weight_version: int | None = None) -> dict[str, Any]:
         if len(self.clients) == 1:
-            return self.clients[0].generate_batch(groups)
+            return self.clients[0].generate_batch(groups, weight_version)
         if self._engine_counts is None:
             self.engines()   # sets them
         shares = split_groups(groups, self._engine_counts or [1] * len(self.clients))
         return self._merge(self._each("generate_batch",
-                                      lambda c, i: c.generate_batch(shares[i]) if shares[i] else {}))
+                                      lambda c, i: c.generate_batch(shares[i], weight_version) if shares[i] else {}))
 
     def evaluate(self, n: int | None = None) -> dict[str, Any]:
         k = len(self.clients)

@@ -314,10 +314,12 @@ def plugin_factory(config: HeadraceConfig, info: Any, rollout_url: str | None) -
 class FakeRolloutClient:
     def __init__(self, calls: list[str]) -> None:
         self.calls = calls
+        self.args: list[tuple[str, tuple[Any, ...]]] = []
 
     def __getattr__(self, name: str) -> Any:
         def call(*args: Any) -> Any:
             self.calls.append(name)
+            self.args.append((name, args))
             return {"score": 0.25, "reward_mean": 0.5, "n": 4} if name == "evaluate" else {}
         return call
 
@@ -340,6 +342,16 @@ def test_engine_control_times_its_phases_owns_the_eval_cadence_and_gives_memory_
     ctl.sync_weights(st)
     ctl.resume(3)
     assert calls == ["generate_batch", "release_memory", "resume_memory", "resume"] and sent == [(["w"], 3)]
+    # the version it pushed and resumed with is named to generate_batch (the service need not ask
+    # every engine); none before the first resume, and none again from a sync until its resume
+    client = ctl.rollout
+    ctl.generate()
+    ctl.sync_weights(st)
+    ctl.generate()
+    gens = [a for name, a in client.args if name == "generate_batch"]
+    assert gens == [(cfg.rollout.groups_per_step, None), (cfg.rollout.groups_per_step, 3),
+                    (cfg.rollout.groups_per_step, None)]
+    calls.clear()
     assert set(ctl.phase_times()) == {"generate_s", "release_memory_s", "resume_memory_s", "weight_sync_s",
                                       "resume_s"}
     assert ctl.phase_times() == {}                                   # reset after each read

@@ -90,6 +90,7 @@ def test_every_phase_reaches_every_service(two) -> None:
         rs.resume(3)
         assert rs.load_adapter("/x", 3)["engines"] == 3
         rs.generate_batch(5)                        # 2 + 3, as their engines (1 and 2): the step gets 5
+        rs.generate_batch(5, 3)                     # the version the trainer synced goes to every service
         assert [e["service"] for e in rs.status()["engines"]] == [a.url, b.url, b.url]
         ev = rs.evaluate()                         # prompts 0, 2, .. to a (all pass), 1, 3, .. to b (none)
         assert (ev["n"], ev["score"], ev["reward_mean"], ev["failed"], ev["weight_version"]) == (10, 0.5, 0.5, 1, 3)
@@ -99,6 +100,8 @@ def test_every_phase_reaches_every_service(two) -> None:
     assert posts(a)[1:5] == ['/v1/pause {"mode": "abort"}', '/v1/resume {"weight_version": 3}',
                              '/v1/load_adapter {"path": "/x", "weight_version": 3}', '/v1/generate_batch {"groups": 2}']
     assert '/v1/generate_batch {"groups": 3}' in posts(b)
+    assert '/v1/generate_batch {"groups": 2, "weight_version": 3}' in posts(a)
+    assert '/v1/generate_batch {"groups": 3, "weight_version": 3}' in posts(b)
     assert '/v1/evaluate {"n": null, "part": [0, 2]}' in a.calls and '/v1/evaluate {"n": null, "part": [1, 2]}' in b.calls
     single = RolloutServices([a.url])
     try:
