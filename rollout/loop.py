@@ -14,6 +14,9 @@ Guarantees:
   engine answers the transport checked (``transport.check_answer``); its other fields are.
 - Each generator call gets its own copy of the prompt sample (fresh lists and free-form
   containers): a generator that mutates its input cannot reach another sample.
+- The default generator's groups of at most ``rollout.engines.coalesce_max`` (and ``max_concurrency``)
+  samples run as one call (``EngineClient.generate_group``: no task per sample, one routing of
+  the group's first requests), with the samples, failures and messages one call per sample gives.
 - Rewards: an async reward function runs concurrently with the others of its group, each bounded
   by ``rollout.reward_timeout_s``; a plain ``def`` (the built-ins but ``remote``) is applied inline,
   no task per sample, and the event loop gets a turn between samples once they have held it
@@ -42,7 +45,7 @@ from pydantic import ValidationError
 from headrace.rollout.columns_push import check_outputs, copy_for_generator, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
-from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn
+from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, append_turn, single_turn
 from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
@@ -98,6 +101,7 @@ class RolloutLoop:
         self.http = http
         self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s)
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
+        self._group_lock = asyncio.Lock()
         # rollout.agent: ``await agent(item, group_id)`` -> the group's samples (the gateway's runner)
         self.agent: Callable[[PromptItem, str], Awaitable[list[Sample]]] | None = None
         self.logger = logging.getLogger("headrace.rollout.plugin")
@@ -144,6 +148,44 @@ class RolloutLoop:
                 self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
                 outs = [failed(base, f"generate: {type(e).__name__}: {e}")]
         return ctx, base, outs, built
+
+    async def _generate_group(self, bases: list[Sample], sampling: dict[str, Any], cell: list[Any]) -> list[Made]:
+        """``_generate`` for every sample of a group of the default generator at once: one routed
+        batch of first requests (``EngineClient.generate_group``), no task per sample. The same
+        samples, failures and messages as ``_generate`` gives each; the group holds ``len(bases)``
+        of ``rollout.max_concurrency`` while it runs (taken together under a lock, so two groups
+        never wait on each other's half)."""
+        ctxs = [self._ctx() for _ in bases]
+        for c in ctxs:
+            c.group_engine = cell
+        async with self._group_lock:
+            taken = 0
+            try:
+                while taken < len(bases):
+                    await self.samples_sem.acquire()
+                    taken += 1
+            except BaseException:
+                for _ in range(taken):
+                    self.samples_sem.release()
+                raise
+        try:
+            answers = await self.engine.generate_group(ctxs, bases[0].tokens, dict(sampling))
+        except Exception as e:  # noqa: BLE001 - as a generator fault: each sample fails, the group goes on
+            answers = [e] * len(bases)
+        finally:
+            for _ in bases:
+                self.samples_sem.release()
+        made: list[Made] = []
+        for ctx, base, a in zip(ctxs, bases, answers):
+            if isinstance(a, BaseException):
+                self.logger.warning("generator failed for %s: %s: %s", base.uid, type(a).__name__, a)
+                made.append((ctx, base, [failed(base, f"generate: {type(a).__name__}: {a}")], False))
+                continue
+            try:
+                made.append((ctx, base, [append_turn(copy_for_generator(base), a)], True))
+            except Exception as e:  # noqa: BLE001 - as _generate words a fault of the generator
+                made.append((ctx, base, [failed(base, f"generate: {type(e).__name__}: {e}")], False))
+        return made
 
     async def _finish(self, made: list[Made]) -> list[Sample]:
         """Check every generated sample at once (invalid ones fail with the schema's message), tag
@@ -207,7 +249,11 @@ class RolloutLoop:
         else:
             params = sampling or self.rc.sampling.to_sglang()
             shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
-            samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
+            if self.generate_fn is single_turn and self.engine is not None and \
+                    1 < n <= min(self.rc.max_concurrency, self.engine.transport.max_batch):
+                samples = await self._finish(await self._generate_group(bases, params, shared))
+            else:
+                samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
         for i, s in enumerate(samples):  # generators may return several samples: renumber
             uid = f"{gid}-{i}"
             if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)

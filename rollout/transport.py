@@ -200,18 +200,32 @@ class Transport:
         if params.get("n", 1) != 1:
             raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
                               f"got {params.get('n')!r} (make one call per sample)")
-        if self.window_s <= 0 or self.max_batch == 1 or url in self.no_batch:
+        if not self.coalesces(url):
             return await self._single(url, input_ids, params, lora)
+        return await self.submit(url, input_ids, params, 1, lora)[0]
+
+    def coalesces(self, url: str) -> bool:
+        """Whether sequences for ``url`` are coalesced into batch requests (``submit`` needs it)."""
+        return self.window_s > 0 and self.max_batch > 1 and url not in self.no_batch
+
+    def submit(self, url: str, input_ids: list[int], params: dict[str, Any], copies: int,
+               lora: str | None = None) -> list[asyncio.Future]:
+        """Queue ``copies`` sequences of ``input_ids`` (a group's samples) for ``url`` at once; one
+        future each, settled as ``post`` would answer that sequence. Only where ``coalesces(url)``,
+        with ``n`` 1 in ``params`` (the caller checks both)."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
         key = (url, _params_key(params), lora)   # one batch, one sampling_params
-        q = self._queues.setdefault(key, _Queue())
-        q.items.append(_Waiting(input_ids, params, fut, lora))
-        if len(q.items) >= self.max_batch:
-            self._flush(key)
-        elif q.timer is None:
-            q.timer = loop.call_later(self.window_s, self._flush, key)
-        return await fut
+        futs: list[asyncio.Future] = []
+        for _ in range(copies):
+            fut: asyncio.Future = loop.create_future()
+            futs.append(fut)
+            q = self._queues.setdefault(key, _Queue())
+            q.items.append(_Waiting(input_ids, params, fut, lora))
+            if len(q.items) >= self.max_batch:
+                self._flush(key)
+            elif q.timer is None:
+                q.timer = loop.call_later(self.window_s, self._flush, key)
+        return futs
 
     async def _single(self, url: str, input_ids: list[int], params: dict[str, Any],
                       lora: str | None = None) -> dict[str, Any]:

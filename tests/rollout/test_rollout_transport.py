@@ -59,6 +59,26 @@ def test_concurrent_sequences_travel_as_batches_and_each_caller_gets_its_own_ans
     assert t.sequences == 40 and t.requests <= 8 and t.refused_batches == 0
 
 
+def test_a_groups_copies_submitted_at_once_travel_in_one_batch_each_with_its_own_answer(engine_url: str) -> None:
+    """``submit`` (the default generator's group path): k copies of one prompt, one future each;
+    more copies than a batch holds start a second batch."""
+    async def go(http: httpx.AsyncClient) -> tuple[list[Any], list[Any], Transport]:
+        t = Transport(http, timeout_s=60, window_s=0.05, max_batch=8)
+        assert t.coalesces(engine_url)
+        params = {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True}
+        five = await asyncio.gather(*t.submit(engine_url, [5, 6, 7], params, 5))
+        sent = t.requests
+        eleven = await asyncio.gather(*t.submit(engine_url, [5, 6, 7, 8], params, 11))
+        await t.close()
+        return five + eleven, [sent, t.requests], t
+
+    outs, sent, t = _run(go)
+    assert len(outs) == 16 and all(len(o["output_ids"]) == 4 == len(o["meta_info"]["output_token_logprobs"]) for o in outs)
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3] * 5 + [4] * 11
+    assert len({id(o) for o in outs}) == 16                # each copy its own answer object
+    assert sent == [1, 3] and t.sequences == 16            # 5 in one batch; 11 = a full batch of 8, then 3
+
+
 def test_a_refused_sequence_fails_alone_and_n_above_1_is_refused(engine_url: str) -> None:
     async def go(http: httpx.AsyncClient) -> tuple[list[Any], Transport]:
         t = Transport(http, timeout_s=60, window_s=0.05, max_batch=16)
