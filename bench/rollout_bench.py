@@ -56,6 +56,19 @@ ms before. This script (20 rounds), all runs of the day: with the old code 0.827
 0.884, 0.904, 0.907, 0.802 (all three: median 0.884, seven of fifteen at or above 0.90). In six
 pairs of back-to-back runs (old, then new) the new minus the old was +0.06, -0.02, -0.03, +0.02,
 +0.09, -0.03: the gain is not shown beyond this machine's noise, and the target is still missed.
+
+4 Dec, ninth session. Traced rounds were ~150-175 ms: 1.2-4.9 ms reading the engines' weight
+version, ~3.5-6.5 ms preparing the 32 groups (tokenizing, prompt samples, a task per sample),
+~3 ms routing and queueing the 256 sequences, ~6-9 ms from the last answer to the last push. Three
+changes, each measured in back-to-back pairs (old, new; ratios):
+- the service rounds name the weight version (``--ask-engines``: as before), as the trainer now
+  does once it has synced the engines: 0.861/0.869, 0.889/0.91, 0.889/0.966, 0.855/0.91, 0.891/0.905;
+- the default generator's group as one call (``EngineClient.generate_group``: no task per sample,
+  the group's first requests routed and queued together): 0.877/0.903, 0.875/0.89, 0.905/0.899,
+  0.876/0.939, 0.891/0.903;
+- each sample of such a group one model copy of the prompt sample (no copy for the generator, no
+  appending attribute by attribute): 0.894/0.937, 0.912/0.911, 0.918/0.925, 0.876/0.873, 0.898/0.925.
+Service CPU per 16-token group (fleet_sim, 2 engines, under cProfile) fell ~15% with the second.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 from headrace.shared import columns as cols
 from headrace.shared.schemas import MAX_TOKEN_ID, Group, Sample, SampleStatus, plain_json
 
-__all__ = ["check_outputs", "copy_for_generator", "encode_groups", "revalidate"]
+__all__ = ["check_outputs", "copy_for_generator", "encode_groups", "own_free_form", "revalidate"]
 
 _STATUSES = frozenset(s.value for s in SampleStatus)
 _SCALARS = (type(None), bool, int, float, str)
@@ -50,12 +50,17 @@ _SCALARS = (type(None), bool, int, float, str)
 
 def copy_for_generator(base: Sample) -> Sample:
     """``base`` with its own mutable fields (see the module docstring)."""
-    label = base.label
     return base.model_copy(update={
         "tokens": list(base.tokens), "loss_mask": list(base.loss_mask),
         "rollout_logprobs": None if base.rollout_logprobs is None else list(base.rollout_logprobs),
-        "label": label if isinstance(label, _SCALARS) else copy.deepcopy(label),
-        "metadata": {k: v if isinstance(v, _SCALARS) else copy.deepcopy(v) for k, v in base.metadata.items()}})
+        **own_free_form(base)})
+
+
+def own_free_form(base: Sample) -> dict[str, Any]:
+    """``label`` and ``metadata`` of ``base`` as values no other sample shares (containers copied)."""
+    label = base.label
+    return {"label": label if isinstance(label, _SCALARS) else copy.deepcopy(label),
+            "metadata": {k: v if isinstance(v, _SCALARS) else copy.deepcopy(v) for k, v in base.metadata.items()}}
 
 
 def revalidate(s: Sample) -> Sample:

@@ -37,7 +37,8 @@ from headrace.rollout.transport import Answer, EngineError, Retryable, Transport
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
-__all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn"]
+__all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn",
+           "turn_fields"]
 
 if TYPE_CHECKING:
     from headrace.rollout.fleet import Engine, Fleet
@@ -321,18 +322,25 @@ STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed
           "abort": SampleStatus.aborted.value}
 
 
+def turn_fields(sample: Sample, answer: dict[str, Any]) -> dict[str, Any]:
+    """The fields ``append_turn`` gives ``sample`` for ``answer``, as new values (nothing of
+    ``sample`` is changed): a model copy with these as its update is the appended sample."""
+    ids = answer["output_ids"]
+    fields = {"tokens": sample.tokens + ids, "loss_mask": sample.loss_mask + [1] * len(ids),
+              "rollout_logprobs": (sample.rollout_logprobs or []) + logprobs_of(answer),
+              "response_length": sample.response_length + len(ids),
+              "response": (sample.response or "") + (answer.get("text") or ""),
+              "status": STATUS[answer["meta_info"]["finish_reason"]["type"]]}
+    segments = answer["meta_info"].get("segments", 1)
+    if segments > 1:  # a partial rollout resumed after a pause
+        fields["metadata"] = {**sample.metadata, "resumed": sample.metadata.get("resumed", 0) + segments - 1}
+    return fields
+
+
 def append_turn(sample: Sample, answer: dict[str, Any]) -> Sample:
     """Append a /generate answer as model tokens (loss_mask 1) and set status from finish_reason."""
-    ids = answer["output_ids"]
-    lps = logprobs_of(answer)
-    sample.tokens = sample.tokens + ids
-    sample.loss_mask = sample.loss_mask + [1] * len(ids)
-    sample.rollout_logprobs = (sample.rollout_logprobs or []) + lps
-    sample.response_length += len(ids)
-    sample.response = (sample.response or "") + (answer.get("text") or "")
-    sample.status = STATUS[answer["meta_info"]["finish_reason"]["type"]]
-    if answer["meta_info"].get("segments", 1) > 1:  # a partial rollout resumed after a pause
-        sample.metadata["resumed"] = sample.metadata.get("resumed", 0) + answer["meta_info"]["segments"] - 1
+    for name, value in turn_fields(sample, answer).items():
+        setattr(sample, name, value)
     return sample
 
 

@@ -42,10 +42,10 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
-from headrace.rollout.columns_push import check_outputs, copy_for_generator, short
+from headrace.rollout.columns_push import check_outputs, copy_for_generator, own_free_form, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
-from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, append_turn, single_turn
+from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields
 from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
@@ -149,19 +149,22 @@ class RolloutLoop:
                 outs = [failed(base, f"generate: {type(e).__name__}: {e}")]
         return ctx, base, outs, built
 
-    async def _generate_group(self, bases: list[Sample], sampling: dict[str, Any], cell: list[Any]) -> list[Made]:
-        """``_generate`` for every sample of a group of the default generator at once: one routed
-        batch of first requests (``EngineClient.generate_group``), no task per sample. The same
-        samples, failures and messages as ``_generate`` gives each; the group holds ``len(bases)``
-        of ``rollout.max_concurrency`` while it runs (taken together under a lock, so two groups
-        never wait on each other's half)."""
-        ctxs = [self._ctx() for _ in bases]
+    async def _generate_group(self, first: Sample, n: int, sampling: dict[str, Any], cell: list[Any]) -> list[Made]:
+        """``_generate`` for the ``n`` samples of a group of the default generator at once (``first``:
+        sample 0's prompt sample): one routed batch of first requests (``EngineClient.generate_group``),
+        no task per sample, and each sample one model copy of ``first`` (ids, its own label and
+        metadata, the answer appended) instead of a prompt sample, a copy for the generator and the
+        appending. The same samples, failures and messages as ``_generate`` gives each; the group
+        holds ``n`` of ``rollout.max_concurrency`` while it runs (taken together under a lock, so
+        two groups never wait on each other's half)."""
+        gid = first.group_id
+        ctxs = [self._ctx() for _ in range(n)]
         for c in ctxs:
             c.group_engine = cell
         async with self._group_lock:
             taken = 0
             try:
-                while taken < len(bases):
+                while taken < n:
                     await self.samples_sem.acquire()
                     taken += 1
             except BaseException:
@@ -169,21 +172,23 @@ class RolloutLoop:
                     self.samples_sem.release()
                 raise
         try:
-            answers = await self.engine.generate_group(ctxs, bases[0].tokens, dict(sampling))
+            answers = await self.engine.generate_group(ctxs, first.tokens, dict(sampling))
         except Exception as e:  # noqa: BLE001 - as a generator fault: each sample fails, the group goes on
-            answers = [e] * len(bases)
+            answers = [e] * n
         finally:
-            for _ in bases:
+            for _ in range(n):
                 self.samples_sem.release()
         made: list[Made] = []
-        for ctx, base, a in zip(ctxs, bases, answers):
-            if isinstance(a, BaseException):
-                self.logger.warning("generator failed for %s: %s: %s", base.uid, type(a).__name__, a)
-                made.append((ctx, base, [failed(base, f"generate: {type(a).__name__}: {a}")], False))
-                continue
+        for i, (ctx, a) in enumerate(zip(ctxs, answers)):
+            ids = {"uid": f"{gid}-{i}", "index": i}
             try:
-                made.append((ctx, base, [append_turn(copy_for_generator(base), a)], True))
+                if isinstance(a, BaseException):
+                    raise a
+                s = first.model_copy(update={**ids, **own_free_form(first), **turn_fields(first, a)})
+                made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
             except Exception as e:  # noqa: BLE001 - as _generate words a fault of the generator
+                base = first.model_copy(update=ids)
+                self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
                 made.append((ctx, base, [failed(base, f"generate: {type(e).__name__}: {e}")], False))
         return made
 
@@ -241,17 +246,17 @@ class RolloutLoop:
         except Exception as e:  # noqa: BLE001 - a bad prompt fails its group only
             ids, text, why = [], str(item.prompt)[:2000], f"tokenizing the prompt: {type(e).__name__}: {e}"
         first = prompt_sample(uid=f"{gid}-0", index=0, tokens=ids, prompt=text, **proto)
-        bases = [first] + [first.model_copy(update={"uid": f"{gid}-{i}", "index": i}) for i in range(1, n)]
-        if why:
-            samples = [failed(b, why) for b in bases]
-        elif self.agent is not None:
-            samples = await self.agent(item, gid)
+        params = sampling or self.rc.sampling.to_sglang()
+        shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
+        if not why and self.agent is None and self.generate_fn is single_turn and self.engine is not None \
+                and 1 < n <= min(self.rc.max_concurrency, self.engine.transport.max_batch):
+            samples = await self._finish(await self._generate_group(first, n, params, shared))
         else:
-            params = sampling or self.rc.sampling.to_sglang()
-            shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
-            if self.generate_fn is single_turn and self.engine is not None and \
-                    1 < n <= min(self.rc.max_concurrency, self.engine.transport.max_batch):
-                samples = await self._finish(await self._generate_group(bases, params, shared))
+            bases = [first] + [first.model_copy(update={"uid": f"{gid}-{i}", "index": i}) for i in range(1, n)]
+            if why:
+                samples = [failed(b, why) for b in bases]
+            elif self.agent is not None:
+                samples = await self.agent(item, gid)
             else:
                 samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
         for i, s in enumerate(samples):  # generators may return several samples: renumber

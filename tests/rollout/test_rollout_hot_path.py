@@ -247,6 +247,37 @@ def test_invalid_samples_fail_with_the_schemas_message_and_mutations_stay_local(
     assert s.status()["counts"]["samples_failed"] == 2
 
 
+MUTATING_REWARD = '''
+def reward(ctx, sample):
+    sample.metadata["seen"] = sample.metadata.get("seen", 0) + 1   # in place: must not reach a sibling
+    sample.label["mine"] = sample.index
+    return float(sample.index)
+'''
+
+
+def test_the_default_generators_group_samples_share_nothing_mutable(tmp_path: Path, tiny_model: Path, stacks) -> None:
+    """The default generator's group path (``RolloutLoop._generate_group``: one model copy per
+    sample): right ids, prompt and response, and a reward that mutates its sample's label and
+    metadata in place reaches that sample only."""
+    (tmp_path / "rw.py").write_text(MUTATING_REWARD)
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4, lambda i: {"answer": str(i)})), "shuffle": False},
+        "n_samples_per_prompt": 4, "mode": "on_demand", "reward": f"{tmp_path}/rw.py:reward",
+        "sampling": {"max_new_tokens": 4, "ignore_eos": True}}).start()
+    r = s.post("/v1/generate_batch", {"groups": 2})
+    assert r.status_code == 200 and r.json()["groups"] == 2, r.text
+    groups = s.lease_all()
+    assert len(groups) == 2
+    for g in groups:
+        prompt = g.samples[0].tokens[:g.samples[0].prompt_length]
+        for i, x in enumerate(g.samples):
+            assert (x.index, x.uid, x.group_id) == (i, f"{g.group_id}-{i}", g.group_id)
+            assert x.status == "truncated" and x.response_length == 4 == len(x.rollout_logprobs) == sum(x.loss_mask)
+            assert x.tokens[:len(prompt)] == prompt and len(x.tokens) == len(prompt) + 4 and x.response
+            assert x.reward == float(i) and x.metadata["seen"] == 1 and x.label["mine"] == i
+    assert s.status()["counts"]["samples_failed"] == 0
+
+
 def _finishing(reward: object, n: int) -> tuple[object, list]:
     """A ``RolloutLoop`` holding only what ``_finish`` reads, and ``n`` generated samples for it."""
     import logging
