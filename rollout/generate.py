@@ -322,9 +322,10 @@ STATUS = {"length": SampleStatus.truncated.value, "stop": SampleStatus.completed
           "abort": SampleStatus.aborted.value}
 
 
-def turn_fields(sample: Sample, answer: dict[str, Any]) -> dict[str, Any]:
+def turn_fields(sample: Sample, answer: dict[str, Any], metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """The fields ``append_turn`` gives ``sample`` for ``answer``, as new values (nothing of
-    ``sample`` is changed): a model copy with these as its update is the appended sample."""
+    ``sample`` is changed): a model copy with these as its update is the appended sample.
+    ``metadata``: what stands for the sample's metadata (a copy it will own), when not its own."""
     ids = answer["output_ids"]
     fields = {"tokens": sample.tokens + ids, "loss_mask": sample.loss_mask + [1] * len(ids),
               "rollout_logprobs": (sample.rollout_logprobs or []) + logprobs_of(answer),
@@ -333,7 +334,8 @@ def turn_fields(sample: Sample, answer: dict[str, Any]) -> dict[str, Any]:
               "status": STATUS[answer["meta_info"]["finish_reason"]["type"]]}
     segments = answer["meta_info"].get("segments", 1)
     if segments > 1:  # a partial rollout resumed after a pause
-        fields["metadata"] = {**sample.metadata, "resumed": sample.metadata.get("resumed", 0) + segments - 1}
+        meta = sample.metadata if metadata is None else metadata
+        fields["metadata"] = {**meta, "resumed": meta.get("resumed", 0) + segments - 1}
     return fields
 
 

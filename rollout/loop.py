@@ -184,7 +184,8 @@ class RolloutLoop:
             try:
                 if isinstance(a, BaseException):
                     raise a
-                s = first.model_copy(update={**ids, **own_free_form(first), **turn_fields(first, a)})
+                own = own_free_form(first)
+                s = first.model_copy(update={**ids, **own, **turn_fields(first, a, own["metadata"])})
                 made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
             except Exception as e:  # noqa: BLE001 - as _generate words a fault of the generator
                 base = first.model_copy(update=ids)

@@ -91,6 +91,27 @@ def test_the_generators_copy_shares_nothing_mutable() -> None:
     assert base.metadata == {"m": {"x": 1}, "k": 2}
 
 
+def test_an_appended_turn_is_new_values_over_the_metadata_the_sample_will_own() -> None:
+    """``turn_fields`` (the group path's one copy per sample, and ``append_turn``): nothing of the
+    prompt sample changes, and a resumed answer's count goes onto the metadata copy given."""
+    from headrace.rollout.columns_push import own_free_form
+    from headrace.rollout.generate import append_turn, turn_fields
+
+    base = prompt_sample(uid="g-0", group_id="g", tokens=[3, 4], prompt="p", label={"a": [1]},
+                         metadata={"m": {"x": 1}, "resumed": 1})
+    answer = {"text": "xy", "output_ids": [7, 8], "meta_info": {"finish_reason": {"type": "stop"}, "segments": 3,
+                                                              "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}}
+    own = own_free_form(base)
+    f = turn_fields(base, answer, own["metadata"])
+    assert (f["tokens"], f["loss_mask"], f["rollout_logprobs"], f["response_length"], f["response"], f["status"]) == \
+        ([3, 4, 7, 8], [1, 1], [-0.5, -0.25], 2, "xy", "completed")
+    assert f["metadata"] == {"m": {"x": 1}, "resumed": 3} and f["metadata"]["m"] is own["metadata"]["m"]
+    assert f["metadata"]["m"] is not base.metadata["m"] and own["label"] is not base.label
+    assert base.tokens == [3, 4] and base.loss_mask == [] and base.metadata == {"m": {"x": 1}, "resumed": 1}
+    mine = copy_for_generator(base)
+    assert append_turn(mine, answer) is mine and mine.tokens == [3, 4, 7, 8] and mine.metadata["resumed"] == 3
+
+
 def _answer(ids: list, lps: list) -> dict:
     return {"text": "", "output_ids": ids, "meta_info": {"finish_reason": {"type": "length"},
                                                         "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)]}}
