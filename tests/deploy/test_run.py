@@ -121,9 +121,9 @@ def test_run_then_resume(placement: str, model_dir: Path, tmp_path: Path) -> Non
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log and "engines now serve policy version 3" in trainer_log
     if placement == "colocated":
-        # on_demand batches are tagged with the version the trainer pushed and resumed with (or, before
-        # any, the one the engines report): 3 means the restored weights reached the engine before
-        # generation (a fresh engine would report 0 and hang the lease)
+        # on_demand batches are tagged with the version the trainer pushed and resumed with (before
+        # any, the one the engines report): 3 means the restored weights were pushed, and every
+        # engine confirmed them (WeightSender.update), before generation
         assert step_rows(out)[-1]["data_weight_version"] == 3
 
 
