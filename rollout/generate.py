@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, logprobs_of
+from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, logprobs_of, one_sequence
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
@@ -113,7 +113,26 @@ class EngineClient:
         while it is routable (its prefix cache holds the trajectory); one with a ``group_engine``
         cell (a group's samples) shares that engine while it is routable and has fewer than one
         batch (``coalesce_max``) more requests in flight than the least busy engine."""
-        while True:  # no await between the last gate check and enter(): a pause never misses us
+        engine = await self._route(ctx)
+        version = self.gate.version
+        engine.in_flight += 1
+        self.gate.enter()
+        try:
+            out = await self.transport.post(engine.url, input_ids, params, self.fleet.adapter)  # LoRA name or None
+        except httpx.TransportError as e:
+            self._lost(engine, e)
+            raise
+        finally:
+            engine.in_flight -= 1
+            self.gate.leave()
+        engine.served += 1
+        return out, version
+
+    async def _route(self, ctx: Any) -> "Engine":
+        """The engine for ``ctx``'s next request (sticky, else the router's pick), once the gate is
+        open; recorded as its pinned / group engine. The caller enters the gate before it awaits
+        anything: no await between the last gate check and that, so a pause never misses it."""
+        while True:
             await self.gate.wait_open()
             engine = self._sticky(ctx) or await self.router.pick()
             if not self.gate.paused:
@@ -123,20 +142,12 @@ class EngineClient:
         cell = getattr(ctx, "group_engine", None)
         if cell is not None:
             cell[0] = engine
-        version = self.gate.version
-        engine.in_flight += 1
-        self.gate.enter()
-        try:
-            out = await self.transport.post(engine.url, input_ids, params, self.fleet.adapter)  # LoRA name or None
-        except httpx.TransportError as e:
-            if engine.index >= 0:
-                self.fleet.mark_down(engine, f"{type(e).__name__} during /generate")
-            raise
-        finally:
-            engine.in_flight -= 1
-            self.gate.leave()
-        engine.served += 1
-        return out, version
+        return engine
+
+    def _lost(self, engine: "Engine", e: BaseException) -> None:
+        """An engine's connection failed during /generate: out of routing until the fleet sees it up."""
+        if engine.index >= 0:
+            self.fleet.mark_down(engine, f"{type(e).__name__} during /generate")
 
     def _sticky(self, ctx: Any) -> "Engine | None":
         """The engine this context's calls stay on, if any (see ``_once``)."""
@@ -159,20 +170,11 @@ class EngineClient:
         sample); a sample whose first answer is not final (an error to retry, an abort for a pause
         with tokens to resume) continues alone in ``generate``. When the engine's URL is not
         coalesced, each sample takes ``generate`` from the start."""
-        if sampling.get("n", 1) != 1:
-            raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
-                              f"got {sampling.get('n')!r} (make one call per sample)")
-        while True:  # as in _once: no await between the last gate check and enter()
-            await self.gate.wait_open()
-            engine = self._sticky(ctxs[0]) or await self.router.pick()
-            if not self.gate.paused:
-                break
+        one_sequence(sampling)
+        engine = await self._route(ctxs[0])   # the group's cell: every sample's
         if not self.transport.coalesces(engine.url):
             return _unless_stopped(await asyncio.gather(*(self.generate(c, input_ids, sampling) for c in ctxs),
                                                         return_exceptions=True))
-        for c in ctxs:
-            if c.group_engine is not None:
-                c.group_engine[0] = engine
         version, epoch, k = self.gate.version, self.gate.abort_epoch, len(ctxs)
         params = dict(sampling, max_new_tokens=int(sampling.get("max_new_tokens", 128)))
         engine.in_flight += k
@@ -186,8 +188,8 @@ class EngineClient:
             for _ in range(k):
                 self.gate.leave()
         lost = next((o for o in outs if isinstance(o, httpx.TransportError)), None)
-        if lost is not None and engine.index >= 0:
-            self.fleet.mark_down(engine, f"{type(lost).__name__} during /generate")
+        if lost is not None:
+            self._lost(engine, lost)
         engine.served += sum(not isinstance(o, BaseException) for o in outs)
         answers: list[dict[str, Any] | BaseException] = []
         later: list[int] = []

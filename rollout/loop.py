@@ -172,7 +172,7 @@ class RolloutLoop:
                     self.samples_sem.release()
                 raise
         try:
-            answers = await self.engine.generate_group(ctxs, first.tokens, dict(sampling))
+            answers = await self.engine.generate_group(ctxs, first.tokens, sampling)   # (read only)
         except Exception as e:  # noqa: BLE001 - as a generator fault: each sample fails, the group goes on
             answers = [e] * n
         finally:

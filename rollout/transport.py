@@ -150,6 +150,13 @@ def _plainly_valid(ids: list[Any], lps: list[Any]) -> list[float] | None:
     return floats
 
 
+def one_sequence(params: dict[str, Any]) -> None:
+    """``EngineError`` unless the sampling params ask for one sequence per call (``n`` 1)."""
+    if params.get("n", 1) != 1:
+        raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
+                          f"got {params.get('n')!r} (make one call per sample)")
+
+
 def _entry_ok(x: Any) -> bool:
     return (isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], (int, float)) and math.isfinite(x[0])
             and x[0] <= 1e-6)
@@ -197,9 +204,7 @@ class Transport:
     async def post(self, url: str, input_ids: list[int], params: dict[str, Any],
                    lora: str | None = None) -> dict[str, Any]:
         """The checked answer for one sequence (see the module docstring for the errors)."""
-        if params.get("n", 1) != 1:
-            raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
-                              f"got {params.get('n')!r} (make one call per sample)")
+        one_sequence(params)
         if not self.coalesces(url):
             return await self._single(url, input_ids, params, lora)
         return await self.submit(url, input_ids, params, 1, lora)[0]
