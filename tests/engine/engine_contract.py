@@ -317,17 +317,18 @@ class EngineContract:
     def test_abort_all_while_retracted_answers_from_the_waiting_queue(self, engine: Any) -> None:
         # pause(retract) puts running sequences back in the waiting queue; an abort then answers them
         # from there: finish abort, the tokens generated so far, and no prompt_tokens (SGLang's shape)
-        for attempt in range(3):
+        for delay in (0.5, 0.1, 0.02, 0.0, 0.0):
             bg = Background(engine, input_ids=prompt_ids(24), return_logprob=True, sampling_params=LONG)
             try:
-                time.sleep(0.5 / (attempt + 1))   # running, we hope, when the pause lands
+                time.sleep(delay)   # running, we hope, when the pause lands (still waiting is fine too)
                 assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
                 _until_done(bg, lambda: post(engine, "/abort_request", {"abort_all": True}))
                 res = bg.wait()
             finally:
                 assert post(engine, "/continue_generation").status_code == 200
             # a request that finished all LONG tokens before the pause landed (a pause delayed on a
-            # loaded machine) did not meet the precondition: the scenario runs again, pausing sooner
+            # loaded machine; vLLM on CPU can finish them in a fraction of a second) did not meet the
+            # precondition: the scenario runs again, pausing sooner, at last at once
             if res["meta_info"]["finish_reason"]["type"] != "length":
                 break
         meta = res["meta_info"]
