@@ -197,3 +197,54 @@ def test_wal_checkpoints_run_on_their_own_thread_and_lose_nothing(tmp_path: Path
         assert got is not None and got.blobs == [big] * 40
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_the_wal_stays_bounded_under_writes_that_never_pause(tmp_path: Path, restart: bool) -> None:
+    # A PASSIVE checkpoint copies the frames present when it starts; a writer that commits again
+    # while it copies keeps it from ever catching up, so SQLite never starts the WAL over by itself
+    # (restart=False shows it: no reset in 150 commits). The checkpointer asks the store for a
+    # RESTART once the WAL outgrows restart_bytes.
+    from headrace.buffer.checkpointer import WalCheckpointer
+
+    db = tmp_path / "b.sqlite"
+    s = Store(str(db), 10**6, 10**6)
+    assert s.checkpointer is not None
+    s.checkpointer.stop()   # this test's own, checking every 20 ms
+    s.checkpointer = ck = WalCheckpointer(str(db), interval_s=0.02, restart_bytes=(4 << 20) if restart else 1 << 40)
+    blob = os.urandom(256 << 10)
+    wal = Path(f"{db}-wal")
+
+    def resets() -> int:   # the WAL header's checkpoint sequence: +1 each time the WAL starts over
+        with wal.open("rb") as f:
+            return int.from_bytes(f.read(16)[12:16], "big")
+
+    s.db.execute(f"PRAGMA journal_size_limit={4 << 20}")   # what a WAL that starts over is cut back to
+    s.post([GroupRow("g0", ("g0/0",), 0, blob)])
+    first, largest, n = resets(), 0, 1
+    after_reset: list[int] = []   # the WAL file's size after each commit that started it over
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(after_reset) < 3 if restart else n < 150):
+            before = resets()
+            s.post([GroupRow(f"g{n}", (f"g{n}/0",), 0, blob)])
+            n += 1
+            largest = max(largest, wal.stat().st_size)
+            if resets() != before:
+                after_reset.append(wal.stat().st_size)
+    finally:
+        ck.stop()
+    if restart:
+        assert len(after_reset) >= 3 and ck.restarts >= 3, (after_reset, ck.restarts, n)
+        # the commit that starts the WAL over cuts the file back to journal_size_limit (one commit
+        # of ~0.6 MB is all it holds then); how big it grew between resets depends on the disk
+        assert all(size <= 4 << 20 for size in after_reset), after_reset
+    else:
+        assert resets() == first and ck.restarts == 0 and largest > 32 << 20, (largest, n)
+    s.close()
+    again = Store(str(db), 10**6, 10**6)
+    try:   # nothing committed was lost on the way
+        got = again.lease(n, 60, None)
+        assert got is not None and len(got.blobs) == n and all(b == blob for b in got.blobs)
+    finally:
+        again.close()
