@@ -408,3 +408,30 @@ def test_a_finish_cancelled_between_rewards_leaves_no_reward_unawaited() -> None
         asyncio.run(main())
         gc.collect()
     assert ran == [] and not [w for w in caught if "never awaited" in str(w.message)], caught
+
+
+def test_the_loop_collects_cyclic_garbage_on_its_clock_whatever_the_gc_threshold() -> None:
+    # RolloutLoop.start raises the GC's first threshold to GC_THRESHOLD (collections of the live
+    # answers cost ~280 ms each at scale), so a cycle may wait for the full collection that
+    # flush_cursor runs every GC_EVERY_S through collect_garbage
+    import gc
+    import weakref
+
+    from headrace.rollout.loop import GC_EVERY_S, GC_THRESHOLD, collect_garbage
+
+    class Node:
+        pass
+
+    old = gc.get_threshold()
+    gc.set_threshold(GC_THRESHOLD, *old[1:])
+    try:
+        a, b = Node(), Node()
+        a.other, b.other = b, a   # a cycle: only the cyclic GC frees it
+        gone = weakref.ref(a)
+        del a, b
+        assert collect_garbage(100.0, 100.0 + GC_EVERY_S / 2) == 100.0   # too soon: nothing collected
+        assert gone() is not None
+        assert collect_garbage(100.0, 100.0 + GC_EVERY_S) == 100.0 + GC_EVERY_S
+        assert gone() is None
+    finally:
+        gc.set_threshold(*old)
