@@ -94,9 +94,10 @@ def test_rollout_killed_and_restarted_resumes_the_data_cursor(tmp_path: Path, ti
     s = stacks(tiny_model, {
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", n)), "epochs": 1, "seed": 11},
         "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 4,
-        "sampling": {"max_new_tokens": 16, "ignore_eos": True}}).start()
+        "sampling": {"max_new_tokens": 256, "ignore_eos": True}}).start()
     # the cursor file is rewritten every 0.2 s (deferred saves): wait until it records 4 finished
-    # prompts while others are still in flight, then kill
+    # prompts while others are still in flight, then kill. 256 tokens a sample keep that window
+    # open for seconds: with 16 the 14 prompts were done before a poll saw it (a CI run, 5 Dec)
     st = s.wait(lambda st: _finished_on_disk(s.tmp / "rollout_state.json") >= 4 and st["groups_in_flight"] > 0,
                 what="4 finished prompts in the cursor file, more in flight")
     saved = _finished_on_disk(s.tmp / "rollout_state.json")
