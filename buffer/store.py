@@ -29,14 +29,16 @@ Guarantees (file-backed store):
   their ids stay known, so they are never stored again) and queues the lease's other groups,
   ahead of every later arrival (the queue is ordered by first arrival).
 
-Each group is one small row of indexed columns (seq, group_id, weight_version, state, lease_id)
-plus its msgpack blob in a separate table, so that state changes (lease, ack, expiry) rewrite a
-few bytes and never the payload. Blobs of consumed and evicted groups are deleted in small
-batches by ``purge`` (called when idle) and at open, off the ack path; WAL checkpoints run on their
-own thread (``buffer.checkpointer``), never inside a commit (after one, when the WAL outgrew
-256 MB under writes that never pause, a RESTART checkpoint starts it over). Pages are 64 KiB: a group
-of 8 x 2,048 tokens is ~200 KB. With ``path=None`` the database lives in memory: same
-semantics, not durable.
+- A payload found missing or damaged when leased (``buffer.payloads``) is dead-lettered, never served.
+
+Each group is one small row of indexed columns (seq, group_id, weight_version, state, lease_id);
+its payload (msgpack or column blob) is kept by ``buffer.payloads`` (segment files beside the
+database; a table in memory), so state changes (lease, ack, expiry) rewrite a few bytes and never
+the payload. Payloads of consumed and evicted groups are deleted in small batches by ``purge``
+(called when idle), off the ack path; WAL checkpoints run on their own thread
+(``buffer.checkpointer``), never inside a commit (after one, when the WAL outgrew 256 MB under
+writes that never pause, a RESTART checkpoint starts it over). With ``path=None`` the database
+lives in memory: same semantics, not durable.
 
 Not thread-safe: the app calls every method from one dedicated thread.
 """
@@ -49,6 +51,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from headrace.buffer.checkpointer import WalCheckpointer
+from headrace.buffer.payloads import SCHEMA as PAYLOADS_SCHEMA
+from headrace.buffer.payloads import MAX_VARS, Payloads, Transaction, chunks
 from headrace.buffer.policy import (BufferFull, GroupState, LeaseConflict, LeaseNotFound, LeaseState, NotInLease,
                                     lease_transition, retry_after_s)
 from headrace.shared.staleness import stale_cutoff
@@ -61,7 +65,6 @@ CREATE TABLE IF NOT EXISTS groups (
     state INTEGER NOT NULL,
     lease_id TEXT
 );
-CREATE TABLE IF NOT EXISTS blobs (seq INTEGER PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS purge (seq INTEGER PRIMARY KEY);
 CREATE INDEX IF NOT EXISTS groups_state_seq ON groups(state, seq);
 CREATE INDEX IF NOT EXISTS groups_lease ON groups(lease_id) WHERE lease_id IS NOT NULL;
@@ -91,7 +94,6 @@ _SYNC = {"process_crash": "NORMAL", "power_loss": "FULL"}   # buffer.durability 
 # WAL rewrites pages the OS already holds instead of growing into new ones
 _WAL_KEEP_BYTES = 256 << 20
 _COUNTERS = ("duplicates", "rejected", "throttled", "policy_version")
-_MAX_VARS = 900  # stay below SQLite's bound-parameter limit on old builds
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,9 @@ class Store:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.db = sqlite3.connect(path or ":memory:", isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA page_size=65536")  # only takes effect on a new database
+        # only takes effect on a new database: payloads live in segment files beside a file (small
+        # pages: a commit writes whole pages to the WAL), in 64 KiB pages' overflow chains in memory
+        self.db.execute(f"PRAGMA page_size={4096 if path else 65536}")
         if path:
             mode = self.db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
             if mode.lower() != "wal":
@@ -140,7 +144,8 @@ class Store:
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE name='leases'").fetchone() is not None and \
                 "held" not in {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}:
             self.db.execute("ALTER TABLE leases ADD COLUMN held INTEGER NOT NULL DEFAULT 0")  # a pre-held database
-        self.db.executescript(_SCHEMA)
+        self.db.executescript(_SCHEMA + PAYLOADS_SCHEMA)
+        self.payloads = Payloads(self.db, path, sync=durability == "power_loss")
         self.counters = {k: 0 for k in _COUNTERS}
         for key, value in self.db.execute("SELECT key, value FROM meta"):
             if key in self.counters:
@@ -163,8 +168,8 @@ class Store:
             if held:
                 self.held[lid] = n
 
-    def _txn(self) -> "_Txn":
-        return _Txn(self)
+    def _txn(self) -> Transaction:
+        return Transaction(self.db, self.payloads, self.checkpointer)
 
     def _save_counters(self) -> None:
         self.db.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(self.counters.items()))
@@ -175,10 +180,8 @@ class Store:
 
     def _existing(self, table: str, column: str, values: list[str]) -> set[str]:
         found: set[str] = set()
-        for i in range(0, len(values), _MAX_VARS):
-            chunk = values[i:i + _MAX_VARS]
-            marks = ",".join("?" * len(chunk))
-            found.update(r[0] for r in self.db.execute(f"SELECT {column} FROM {table} WHERE {column} IN ({marks})", chunk))
+        for marks, c in chunks(values):
+            found.update(r[0] for r in self.db.execute(f"SELECT {column} FROM {table} WHERE {column} IN ({marks})", c))
         return found
 
     # ---- operations ------------------------------------------------------------------------
@@ -237,11 +240,13 @@ class Store:
             return BufferFull(f"buffer full: {counted} of {self.capacity} groups queued or leased (not held), "
                               f"request adds {queued_new}", retry_after_s(overflow, self.capacity))
         self.counters["duplicates"] += res.duplicates
+        kept: list[tuple[int, bytes]] = []
         for r, stale in new:
             cur = self.db.execute("INSERT INTO groups(group_id, weight_version, state) VALUES (?, ?, ?)",
                                   (r.group_id, r.weight_version, GroupState.evicted if stale else GroupState.queued))
             if not stale:
-                self.db.execute("INSERT INTO blobs(seq, data) VALUES (?, ?)", (cur.lastrowid, r.blob))
+                kept.append((cur.lastrowid, r.blob))
+        self.payloads.put(kept)
         if new:
             self.db.executemany("INSERT INTO uids(uid) VALUES (?)", [(u,) for r, _ in new for u in r.uids])
         res.evicted_stale = len(new) - queued_new
@@ -263,21 +268,29 @@ class Store:
                 (GroupState.queued, min_weight_version, n))]
         if len(seqs) < n:
             return None
-        blobs: dict[int, bytes] = {}
-        for i in range(0, n, _MAX_VARS):
-            chunk = seqs[i:i + _MAX_VARS]
-            blobs.update(self.db.execute(f"SELECT seq, data FROM blobs WHERE seq IN ({','.join('?' * len(chunk))})", chunk))
+        blobs, lost = self.payloads.get(seqs)
+        if lost:   # never served: dead-lettered, and the lease is chosen again without them
+            self._lost(lost, now)
+            return self.lease(n, lease_s, min_weight_version, now)
         lease = Lease(uuid.uuid4().hex, now + lease_s, [blobs[s] for s in seqs])
         with self._txn():
             self.db.execute("INSERT INTO leases(lease_id, state, expires_at, n) VALUES (?, ?, ?, ?)",
                             (lease.lease_id, LeaseState.active, lease.expires_at, n))
-            for i in range(0, n, _MAX_VARS):
-                chunk = seqs[i:i + _MAX_VARS]
-                self.db.execute(f"UPDATE groups SET state=?, lease_id=? WHERE seq IN ({','.join('?' * len(chunk))})",
-                                (GroupState.leased, lease.lease_id, *chunk))
+            for marks, c in chunks(seqs):
+                self.db.execute(f"UPDATE groups SET state=?, lease_id=? WHERE seq IN ({marks})",
+                                (GroupState.leased, lease.lease_id, *c))
         self._move(GroupState.queued, GroupState.leased, n)
         self.active[lease.lease_id] = lease.expires_at
         return lease
+
+    def _lost(self, seqs: list[int], now: float) -> None:
+        """Dead-letter queued groups whose payload is missing or damaged (``Payloads.get``)."""
+        why = "payload lost: its bytes are missing or fail their checksum (an OS crash, or a damaged file)"
+        with self._txn():
+            self.db.executemany("INSERT INTO dead_letters(seq, group_id, lease_id, reason, at) SELECT seq, group_id, "
+                                "'', ?, ? FROM groups WHERE seq=?", [(why, now, s) for s in seqs])
+            self.db.executemany("UPDATE groups SET state=? WHERE seq=?", [(GroupState.dead_lettered, s) for s in seqs])
+        self._move(GroupState.queued, GroupState.dead_lettered, len(seqs))
 
     def _settle(self, lease_id: str, action: str, now: float | None) -> int:
         now = time.time() if now is None else now
@@ -290,17 +303,13 @@ class Store:
             return 0
         with self._txn():
             self.db.execute("UPDATE leases SET state=? WHERE lease_id=?", (new_state, lease_id))
+            dst = GroupState.consumed if action == "ack" else GroupState.queued
             if action == "ack":
                 self.db.execute("INSERT OR IGNORE INTO purge(seq) SELECT seq FROM groups WHERE lease_id=? AND state=?",
                                 (lease_id, GroupState.leased))
-                cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
-                                      (GroupState.consumed, lease_id, GroupState.leased))
-                dst = GroupState.consumed
                 self.to_purge = True
-            else:
-                cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
-                                      (GroupState.queued, lease_id, GroupState.leased))
-                dst = GroupState.queued
+            cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
+                                  (dst, lease_id, GroupState.leased))
             stale = self._evict_stale() if dst == GroupState.queued else 0
         self._move(GroupState.leased, dst, cur.rowcount)
         self._move(GroupState.queued, GroupState.evicted, stale)
@@ -436,13 +445,13 @@ class Store:
         """Delete up to ``limit`` blobs of consumed or evicted groups; the number deleted."""
         if not self.to_purge:
             return 0
-        seqs = [r[0] for r in self.db.execute("SELECT seq FROM purge LIMIT ?", (min(limit, _MAX_VARS),))]
+        seqs = [r[0] for r in self.db.execute("SELECT seq FROM purge LIMIT ?", (min(limit, MAX_VARS),))]
         if not seqs:
             self.to_purge = False
             return 0
         marks = ",".join("?" * len(seqs))
         with self._txn():
-            self.db.execute(f"DELETE FROM blobs WHERE seq IN ({marks})", seqs)
+            self.payloads.delete(seqs)
             self.db.execute(f"DELETE FROM purge WHERE seq IN ({marks})", seqs)
         return len(seqs)
 
@@ -468,27 +477,9 @@ class Store:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.stop()
+        self.payloads.close()
         try:
             with self._txn():
                 self._save_counters()
         finally:
             self.db.close()
-
-
-class _Txn:
-    """BEGIN IMMEDIATE ... COMMIT, rolled back (with the in-memory counts untouched) on error."""
-
-    def __init__(self, store: Store) -> None:
-        self.db = store.db
-        self.checkpointer = store.checkpointer
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc_type is None:
-            self.db.execute("COMMIT")
-            if self.checkpointer is not None and self.checkpointer.restart_due:
-                self.checkpointer.restart(self.db)   # between two transactions (buffer.checkpointer)
-        else:
-            self.db.execute("ROLLBACK")

@@ -141,7 +141,7 @@ def test_payloads_of_consumed_and_evicted_groups_are_purged(tmp_path: Path) -> N
     assert lease is not None
     s.ack(lease.lease_id)
     assert s.set_policy_version(1) == 1  # c evicted
-    blobs = lambda: s.db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0]  # noqa: E731
+    blobs = lambda: s.db.execute("SELECT COUNT(*) FROM payloads").fetchone()[0]  # noqa: E731
     assert blobs() == 3 and s.to_purge  # ack and eviction leave the payload for later
     s.db.close()
     s = Store(path, capacity=100, max_staleness=0)  # the purge queue survives a crash
@@ -212,7 +212,8 @@ def test_the_wal_stays_bounded_under_writes_that_never_pause(tmp_path: Path, res
     assert s.checkpointer is not None
     s.checkpointer.stop()   # this test's own, checking every 20 ms
     s.checkpointer = ck = WalCheckpointer(str(db), interval_s=0.02, restart_bytes=(4 << 20) if restart else 1 << 40)
-    blob = os.urandom(256 << 10)
+    blob = os.urandom(1 << 10)   # payloads go to segment files: the WAL grows from ~320 KB of uids a commit
+    uids = lambda n: tuple(f"g{n}/{k:03d}/" + "u" * 800 for k in range(400))  # noqa: E731
     wal = Path(f"{db}-wal")
 
     def resets() -> int:   # the WAL header's checkpoint sequence: +1 each time the WAL starts over
@@ -220,14 +221,14 @@ def test_the_wal_stays_bounded_under_writes_that_never_pause(tmp_path: Path, res
             return int.from_bytes(f.read(16)[12:16], "big")
 
     s.db.execute(f"PRAGMA journal_size_limit={4 << 20}")   # what a WAL that starts over is cut back to
-    s.post([GroupRow("g0", ("g0/0",), 0, blob)])
+    s.post([GroupRow("g0", uids(0), 0, blob)])
     first, largest, n = resets(), 0, 1
     after_reset: list[int] = []   # the WAL file's size after each commit that started it over
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (len(after_reset) < 3 if restart else n < 150):
             before = resets()
-            s.post([GroupRow(f"g{n}", (f"g{n}/0",), 0, blob)])
+            s.post([GroupRow(f"g{n}", uids(n), 0, blob)])
             n += 1
             largest = max(largest, wal.stat().st_size)
             if resets() != before:
