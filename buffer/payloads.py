@@ -23,12 +23,13 @@ Guarantees (``Payloads(db, path, sync)``; the store calls it on its one thread):
   right after the commit that deleted its last refs (``delete``, then ``settle``), and at open
   (files a crash left behind). Up to ``_SPARES`` of them are renamed ``*.spare`` instead and
   written again as later segments (overwriting pages the OS holds costs half of growing a new
-  file); old bytes past what a segment wrote are never referenced. One group kept for long (a held lease, a dead letter) keeps its
-  whole segment on disk.
+  file); old bytes past what a segment wrote are never referenced. A group
+  leased for long (a held lease) keeps its whole segment on disk meanwhile.
 - ``Transaction`` is the store's only way to commit: it settles the ref counts after each
   transaction (a failed COMMIT counts its new refs, never its deletions).
 - Rows of the ``blobs`` table (databases written before segments; the in-memory store, which
-  has no directory) are read and deleted as before.
+  has no directory; dead letters, moved there by ``keep`` so that one kept group does not hold a
+  whole segment) are read and deleted as before.
 """
 
 from __future__ import annotations
@@ -134,8 +135,22 @@ class Payloads:
         """Drop the payloads of ``seqs``; inside the caller's transaction (``settle`` frees files)."""
         for marks, c in chunks(seqs):
             self.db.execute(f"DELETE FROM blobs WHERE seq IN ({marks})", c)
-            if self.dir is None:
-                continue
+        self._unref(seqs)
+
+    def keep(self, seqs: list[int]) -> None:
+        """Move the payloads of ``seqs`` into the ``blobs`` table, for groups kept for good (dead
+        letters), so that they hold no segment on disk; damaged ones are dropped. Inside the
+        caller's transaction."""
+        if self.dir is None:
+            return
+        found, _ = self.get(seqs)
+        self.db.executemany("INSERT OR REPLACE INTO blobs(seq, data) VALUES (?, ?)", list(found.items()))
+        self._unref(seqs)
+
+    def _unref(self, seqs: list[int]) -> None:
+        if self.dir is None:
+            return
+        for marks, c in chunks(seqs):
             for seg, k in self.db.execute(f"SELECT segment, COUNT(*) FROM payloads WHERE seq IN ({marks}) "
                                           "GROUP BY segment", c).fetchall():
                 self._pending[seg] = self._pending.get(seg, 0) - k

@@ -290,6 +290,7 @@ class Store:
             self.db.executemany("INSERT INTO dead_letters(seq, group_id, lease_id, reason, at) SELECT seq, group_id, "
                                 "'', ?, ? FROM groups WHERE seq=?", [(why, now, s) for s in seqs])
             self.db.executemany("UPDATE groups SET state=? WHERE seq=?", [(GroupState.dead_lettered, s) for s in seqs])
+            self.payloads.delete(seqs)
         self._move(GroupState.queued, GroupState.dead_lettered, len(seqs))
 
     def _settle(self, lease_id: str, action: str, now: float | None) -> int:
@@ -377,6 +378,7 @@ class Store:
                                 [(mine[g], g, lease_id, reason, now) for g in wanted])
             self.db.executemany("UPDATE groups SET state=?, lease_id=NULL WHERE seq=?",
                                 [(GroupState.dead_lettered, mine[g]) for g in wanted])
+            self.payloads.keep([mine[g] for g in wanted])   # kept for good: in SQLite, not holding a segment
             cur = self.db.execute("UPDATE groups SET state=?, lease_id=NULL WHERE lease_id=? AND state=?",
                                   (GroupState.queued, lease_id, GroupState.leased))
             stale = self._evict_stale()

@@ -9,7 +9,8 @@ What a run writes to ``<out>`` (``--out``, else ``run.out``): ``config.yaml`` (t
 absolute paths and the ports actually used), ``metrics.jsonl`` (one JSON object per step: step,
 reward_mean, loss, approx_kl (kl_ref with a reference), entropy, weight_version, samples_per_s, staleness, ...; ``eval_score`` on
 evaluation steps, and a step-0 row with the baseline evaluation), ``metrics.png``, ``ckpt/``
-(trainer checkpoints), ``hf/`` (the final policy as a Hugging Face directory), ``buffer.sqlite``,
+(trainer checkpoints), ``hf/`` (the final policy as a Hugging Face directory), ``buffer.sqlite`` (and
+``buffer.sqlite.blobs/``, its payload segments),
 ``rollout_state.json`` (the data cursor) and ``logs/<service>.log``.
 
 Several rollout services (``run.rollout_services`` k > 1): the run starts k of them, ``rollout0`` ..

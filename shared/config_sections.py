@@ -54,7 +54,8 @@ class BufferConfig(_Section):
     host: str = Field(default="127.0.0.1", min_length=1, description="interface the buffer binds")
     port: int = Field(default=8100, ge=0, le=65535, description="TCP port the buffer binds "
                       "(`headrace run` takes a free one when it is busy)")
-    db: str | None = Field(default=None, min_length=1, description="SQLite file (durable, WAL mode); default "
+    db: str | None = Field(default=None, min_length=1, description="SQLite file (durable, WAL mode; the groups' "
+                           "payloads go to segment files in `<db>.blobs/` beside it); default "
                            "`<run.out>/buffer.sqlite` under `headrace run`, `./buffer.sqlite` otherwise; "
                            "not with `memory`")
     memory: bool = Field(default=False, description="keep every group in memory: faster, lost when the buffer stops")

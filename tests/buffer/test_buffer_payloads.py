@@ -4,6 +4,7 @@ SQLite, reopened as after a crash."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import msgpack
@@ -107,6 +108,28 @@ def test_a_rolled_back_post_leaves_no_reference_and_loses_nothing(tmp_path: Path
     s.close()
 
 
+def test_a_dead_letter_keeps_its_payload_in_sqlite_not_its_segment(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(payloads, "SEGMENT_BYTES", 50_000)
+    db = tmp_path / "b.sqlite"
+    s = Store(str(db), 1000, 10)
+    s.post([row("a", 30_000), row("b", 30_000)])   # one segment
+    s.post([row("c", 30_000)])                      # the next
+    lease = s.lease(2, 60, None)
+    assert lease is not None and len(segments(db)) == 2
+    assert s.reject(lease.lease_id, ["a"], "bad reward") == (1, 1)
+    kept = s.db.execute("SELECT data FROM blobs b JOIN groups g ON g.seq = b.seq WHERE group_id='a'").fetchone()
+    assert kept is not None and msgpack.unpackb(kept[0])["group_id"] == "a"
+    rest = s.lease(2, 60, None)
+    assert rest is not None and sorted(msgpack.unpackb(b)["group_id"] for b in rest.blobs) == ["b", "c"]
+    s.ack(rest.lease_id)
+    while s.purge():
+        pass
+    assert len(segments(db)) == 1   # the first segment went although "a" is kept for good
+    assert s.stats()["dead_lettered"] == 1
+    s.close()
+
+
 def test_the_memory_store_keeps_payloads_in_sqlite() -> None:
     s = Store(None, 10, 10)
     s.post([row("a", 100)])
@@ -117,3 +140,66 @@ def test_the_memory_store_keeps_payloads_in_sqlite() -> None:
     assert s.purge() == 1 and s.db.execute("SELECT COUNT(*) FROM blobs").fetchone()[0] == 0
     s.close()
     assert os.path.exists(":memory:.blobs") is False
+
+
+def test_kill9_during_ingest_loses_no_answered_group_and_damages_none(tmp_path: Path) -> None:
+    """A real buffer, 3 producers posting column bodies without pause, kill -9, restart on the
+    same files: every group answered 200 is leased back with exactly its bytes' content."""
+    import threading
+
+    import httpx
+
+    from headrace.shared import columns
+    from tests.buffer.support import make_group, start_buffer, stats
+
+    db = tmp_path / "k.sqlite"
+    proc, url = start_buffer(tmp_path, "--db", str(db), name="k1")
+    answered: list[str] = []
+    sent: dict[str, list[int]] = {}
+    stop = threading.Event()
+
+    def produce(p: int) -> None:
+        with httpx.Client(timeout=10) as c:
+            for i in range(10_000):
+                groups = [make_group(f"p{p}-{i}-{k}", n=4, response=3000) for k in range(4)]
+                for k, g in enumerate(groups):
+                    g["samples"][0]["tokens"][5] = (p * 10_000 + i * 4 + k) % 50_000   # each group its own bytes
+                    sent[g["group_id"]] = g["samples"][0]["tokens"]
+                try:
+                    r = c.post(url + "/v1/groups", content=columns.encode(groups),
+                               headers={"content-type": columns.COLUMNS})
+                except httpx.HTTPError:
+                    return
+                if r.status_code == 200:
+                    answered.extend(g["group_id"] for g in groups)
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(answered) < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.kill9()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+        proc.stop()
+    assert len(answered) >= 300
+    proc, url = start_buffer(tmp_path, "--db", str(db), name="k2")
+    try:
+        queued = stats(url)["queued"]
+        assert queued >= len(answered)   # committed but unanswered ones may be there too
+        r = httpx.post(url + "/v1/leases", json={"groups": queued}, headers={"accept": columns.COLUMNS}, timeout=60)
+        assert r.status_code == 200, r.text
+        cols, _ = columns.decode(r.content, ("lease_id", "expires_at"))
+        rows = cols.to_rows()
+        got = [g["group_id"] for g in rows]
+        assert len(got) == len(set(got)) and set(answered) <= set(got)
+        assert all(g["samples"][0]["tokens"] == sent[g["group_id"]] for g in rows)
+        assert stats(url)["dead_lettered"] == 0
+    finally:
+        proc.stop()
