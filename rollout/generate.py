@@ -274,7 +274,10 @@ class EngineClient:
         meta.update(finish_reason=dict(meta["finish_reason"], type=reason),
                     output_token_logprobs=lps,
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
-        return Answer.of({"text": text, "output_ids": ids, "meta_info": meta}, lps, floats)
+        arrays = None   # one engine answer's checked arrays, while its lists are these very ones
+        if answers == 1 and isinstance(out, Answer) and ids is out["output_ids"] and floats is out.logprobs:
+            arrays = out.arrays
+        return Answer.of({"text": text, "output_ids": ids, "meta_info": meta}, lps, floats, arrays)
 
 
 def _unless_stopped(answers: list[Any]) -> list[Any]:

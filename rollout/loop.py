@@ -11,7 +11,8 @@ Guarantees:
   over their tokens, masks and logprobs; the row schema only for a sample it flags), before
   scoring; no per-sample pydantic validation or deep copy on the hot path. The default generator's
   token, mask and logprob lists are not walked a second time: they are the tokenizer's output and
-  engine answers the transport checked (``transport.check_answer``); its other fields are.
+  engine answers the transport checked (``transport.check_answer``); its other fields are. The
+  push encodes the arrays of that check (``columns_push.Packed``) while the lists still equal them.
 - Each generator call gets its own copy of the prompt sample (fresh lists and free-form
   containers): a generator that mutates its input cannot reach another sample.
 - The default generator's groups of at most ``rollout.engines.coalesce_max`` (and ``max_concurrency``)
@@ -42,7 +43,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
-from headrace.rollout.columns_push import check_outputs, copy_for_generator, own_free_form, short
+from headrace.rollout.columns_push import Packed, check_outputs, copy_for_generator, own_free_form, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields
@@ -102,6 +103,7 @@ class RolloutLoop:
         self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s)
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
         self._group_lock = asyncio.Lock()
+        self._packed: dict[str, Packed] = {}   # group id -> its arrays, until its slot ends
         # rollout.agent: ``await agent(item, group_id)`` -> the group's samples (the gateway's runner)
         self.agent: Callable[[PromptItem, str], Awaitable[list[Sample]]] | None = None
         self.logger = logging.getLogger("headrace.rollout.plugin")
@@ -179,6 +181,7 @@ class RolloutLoop:
             for _ in range(n):
                 self.samples_sem.release()
         made: list[Made] = []
+        packed = self._packed.setdefault(gid, Packed(first.tokens))   # the push's arrays (columns_push)
         for i, (ctx, a) in enumerate(zip(ctxs, answers)):
             ids = {"uid": f"{gid}-{i}", "index": i}
             try:
@@ -187,6 +190,8 @@ class RolloutLoop:
                 own = own_free_form(first)
                 s = first.model_copy(update={**ids, **own, **turn_fields(first, a, own["metadata"])})
                 made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
+                if getattr(a, "arrays", None) is not None:
+                    packed.add(i, a["output_ids"], a.logprobs, a.arrays)
             except Exception as e:  # noqa: BLE001 - as _generate words a fault of the generator
                 base = first.model_copy(update=ids)
                 self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
@@ -236,7 +241,7 @@ class RolloutLoop:
 
     async def produce(self, item: PromptItem, sampling: dict[str, Any] | None = None) -> Group | None:
         """Generate and score one group for ``item`` (None when every sample failed)."""
-        gid = f"{self.run_id}-{item.key}"
+        gid = self._gid(item)
         n = self.rc.n_samples_per_prompt
         proto = dict(group_id=gid, label=item.label, metadata=dict(item.metadata), weight_version=self.gate.version)
         try:
@@ -271,6 +276,9 @@ class RolloutLoop:
             return None
         return Group(group_id=gid, samples=samples, metadata={"epoch": item.epoch, "position": item.position})
 
+    def _gid(self, item: PromptItem) -> str:
+        return f"{self.run_id}-{item.key}"
+
     async def _run_slot(self, item: PromptItem) -> bool:
         """Produce, filter and push one slot; True when a group reached the buffer as new."""
         self.groups_in_flight += 1
@@ -286,6 +294,7 @@ class RolloutLoop:
             return False
         finally:
             self.groups_in_flight -= 1
+            self._packed.pop(self._gid(item), None)
             self._wake.set()
 
     async def _slot(self, item: PromptItem) -> bool:
@@ -303,7 +312,7 @@ class RolloutLoop:
             self.counts["groups_filtered"] += 1
             self.data.mark_done(item)
             return False
-        outcome = await self.pusher.push(group)
+        outcome = await self.pusher.push(group, self._packed.get(group.group_id))
         self.data.mark_done(item)
         key = {"accepted": "groups_pushed", "duplicate": "groups_duplicate", "rejected": "groups_rejected"}[outcome]
         self.counts[key] += 1
@@ -437,21 +446,14 @@ class RolloutLoop:
             last_gc = collect_garbage(last_gc, time.monotonic())
 
     def start(self) -> None:
-        # Everything loaded so far (libraries, tokenizer, config) lives as long as the service: move
-        # it out of the cyclic GC's reach, or every full collection walks those millions of objects
-        # again while answers of thousands of tokens are being allocated. A batch /generate answer is
-        # ~66k lists (32 x 2,048 [logprob, id, text] entries) that die within a few loop turns: with
-        # the default first threshold (700 net new containers) a collection walks each of them while
-        # it lives; at 500k most die uncollected (~20% less CPU from parse to sample, measured). The
-        # count is net (allocations minus frees), so a collection comes only when that many more
-        # containers are alive at once: with hundreds of 8 x 2,048-token groups in flight 500k was
-        # still reached every few answers (24 collections, ~4.5 s of a 28 s CPU run in fleet_sim);
-        # at 2M none came in that run and the service's CPU per group fell ~10% (17.2-17.9 ms against
-        # 18.2-21.8). With 512 groups of 8 x 2,048 tokens in flight over 8 engines (5 Dec)
-        # 2M was reached three times a run, each collection ~280 ms; at 10M none came and the CPU
-        # per group fell 5-9% (6.1 against 6.4-6.5 ms). Cyclic garbage (rare on this path) goes at
-        # the next collection, and at the latest at the full one ``flush_cursor`` runs every
-        # ``GC_EVERY_S``.
+        # Everything loaded so far (libraries, tokenizer, config) lives as long as the service: out of
+        # the cyclic GC's reach, or every full collection walks those millions of objects again. A
+        # batch /generate answer is ~66k lists that die within a few loop turns; with the default
+        # threshold (700 net new containers) a collection walks each while it lives. The count is net:
+        # with hundreds of 8 x 2,048-token groups in flight even 2M was reached three times a fleet_sim
+        # run (~280 ms each); at GC_THRESHOLD none came and the CPU per group fell 5-9% (bench/RESULTS.md).
+        # Cyclic garbage (rare here) goes at the next collection, at the latest at the full one
+        # ``flush_cursor`` runs every ``GC_EVERY_S``.
         gc.freeze()
         gc.set_threshold(max(gc.get_threshold()[0], GC_THRESHOLD), *gc.get_threshold()[1:])
         self.pusher.start()

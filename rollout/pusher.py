@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from headrace.rollout.columns_push import encode_groups
+from headrace.rollout.columns_push import Packed, encode_groups
 from headrace.shared import columns as cols
 from headrace.shared.client import AsyncBufferClient, BufferError
 from headrace.shared.schemas import Group
@@ -31,6 +31,7 @@ log = logging.getLogger("headrace.rollout.push")
 
 Outcome = Literal["accepted", "duplicate", "rejected"]
 MAX_IN_FLIGHT = 2
+_Item = tuple[Group, "asyncio.Future[Outcome]", Packed | None]
 
 
 @dataclass
@@ -50,7 +51,7 @@ class Pusher:
         self.batch = batch
         self.retry_max_s = retry_max_s
         self.stats = PushStats()
-        self._queue: asyncio.Queue[tuple[Group, asyncio.Future[Outcome]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._posting: dict[asyncio.Task[None], int] = {}   # batches being posted -> their group count
         self._waiting = 0   # groups taken from the queue, waiting for a post to return
@@ -74,9 +75,10 @@ class Pusher:
         for t in list(self._posting):
             t.cancel()
 
-    async def push(self, group: Group) -> Outcome:
+    async def push(self, group: Group, packed: Packed | None = None) -> Outcome:
+        """The buffer's answer for ``group`` (``packed``: its arrays, where the loop made them)."""
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        await self._queue.put((group, fut))
+        await self._queue.put((group, fut, packed))
         return await fut
 
     async def _run(self) -> None:
@@ -92,11 +94,11 @@ class Pusher:
             self._posting[t] = len(items)
             t.add_done_callback(lambda t: (self._posting.pop(t, None), slots.release()))
 
-    async def _send(self, items: list[tuple[Group, asyncio.Future[Outcome]]]) -> None:
+    async def _send(self, items: list[_Item]) -> None:
         delay = 0.1
         while True:
             try:
-                r = await self._post([g for g, _ in items])
+                r = await self._post([g for g, _, _ in items], [p for _, _, p in items])
             except BufferError as e:
                 if e.status in (413, 422):
                     if len(items) > 1:
@@ -104,7 +106,7 @@ class Pusher:
                         await self._send(items[:half])
                         await self._send(items[half:])
                         return
-                    g, fut = items[0]
+                    g, fut, _ = items[0]
                     log.error("buffer refused group %s (%d): %s", g.group_id, e.status, e.message)
                     self.stats.rejected += 1
                     _resolve(fut, "rejected")
@@ -133,14 +135,14 @@ class Pusher:
             self.stats.accepted += r.accepted
             self.stats.duplicates += r.duplicates
             each: Outcome = "duplicate" if r.accepted == 0 else "accepted"
-            for _, fut in items:
+            for _, fut, _ in items:
                 _resolve(fut, each)
             return
 
 
-    async def _post(self, groups: list[Group]) -> Any:
+    async def _post(self, groups: list[Group], packed: list[Packed | None]) -> Any:
         try:
-            body = encode_groups(groups)   # columns, converted in C (rollout/columns_push.py)
+            body = encode_groups(groups, packed)   # columns, converted in C (rollout/columns_push.py)
         except cols.NotColumnar:
             return await self.client.post_groups(groups)   # rows: the buffer's row schema names the problem
         return await self.client.post_columns(body)

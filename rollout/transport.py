@@ -81,6 +81,7 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
         if not isinstance(lps, list) or len(lps) != len(ids):
             raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
         meta["finish_reason"] = fr
+        arrays = None
         floats = _plainly_valid(ids, lps) if len(ids) <= _SHORT_ANSWER else None
         if floats is None and ids:
             try:   # array.array takes exactly ints ('q') / numbers ('d'): the type check, in C
@@ -102,9 +103,11 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
             if (first > 0).any():  # within rounding of 0: clamp, as a logprob is never positive
                 meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
                 floats = [min(0.0, float(v)) for v in floats]
+            else:   # the arrays just checked, kept for the push (``columns_push.Packed``)
+                arrays = (a, first)
         elif floats is None:
             floats = []
-        return Answer.of(out, meta["output_token_logprobs"], floats)
+        return Answer.of(out, meta["output_token_logprobs"], floats, arrays)
     except (KeyError, TypeError, ValueError) as e:
         raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
 
@@ -112,14 +115,18 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
 class Answer(dict):
     """A checked /generate answer: to its readers a plain dict in SGLang's shape; it also keeps its
     logprobs as a list of numbers (``logprobs``) for the entries list they were read from
-    (``entries``), so the hot path walks the entries once (``logprobs_of``)."""
+    (``entries``), so the hot path walks the entries once (``logprobs_of``). ``arrays``, when not
+    None: ``(output_ids, logprobs)`` as the int64 / float64 arrays ``check_answer`` checked, equal
+    to the ``output_ids`` list and ``logprobs`` it was made with (the push reuses them instead of
+    converting the lists again; ``columns_push.Packed`` checks they still match)."""
 
-    __slots__ = ("entries", "logprobs")
+    __slots__ = ("entries", "logprobs", "arrays")
 
     @classmethod
-    def of(cls, out: dict[str, Any], entries: list[Any], logprobs: list[float]) -> "Answer":
+    def of(cls, out: dict[str, Any], entries: list[Any], logprobs: list[float],
+           arrays: tuple[np.ndarray, np.ndarray] | None = None) -> "Answer":
         a = cls(out)
-        a.entries, a.logprobs = entries, logprobs
+        a.entries, a.logprobs, a.arrays = entries, logprobs, arrays
         return a
 
 
