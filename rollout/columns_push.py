@@ -224,9 +224,12 @@ def encode_groups(groups: list[Group], packed: list[Packed | None] | None = None
 def _columns(groups: list[Group], packed: list[Packed | None] | None = None) -> cols.Columns:
     gids, gmeta, soff = [], [], [0]
     uid, gi, status, wv, reward, toff, rl, hl, prompt, response, label, meta = ([] for _ in range(12))
-    toks: list[np.ndarray] = []
-    mask: list[np.ndarray] = []
-    lps: list[np.ndarray] = []
+    toks: list[int] = []   # the samples since the last packed one, as lists (converted together)
+    mask: list[int] = []
+    lps: list[float] = []
+    tparts: list[np.ndarray] = []   # converted runs and packed samples' arrays, in order
+    mparts: list[np.ndarray] = []
+    lparts: list[np.ndarray] = []
     toff.append(0)
     n_tokens = 0
     for k, g in enumerate(groups):
@@ -247,19 +250,18 @@ def _columns(groups: list[Group], packed: list[Packed | None] | None = None) -> 
             reward.append(float("nan") if r is None else float(r))
             made = pk.arrays_of(j, s) if pk is not None else None
             if made is not None:
-                toks += (pk.prompt_arr, made[0])   # type: ignore[union-attr]
-                mask.append(made[1])
-                lps.append(made[2])
-            else:   # array.array: exactly ints ("i": int32, "B": 0..255) / numbers ("d"), in C
-                toks.append(np.frombuffer(array.array("i", s.tokens), dtype=np.int32))
-                mask.append(np.frombuffer(array.array("B", s.loss_mask), dtype=np.uint8))
+                if toks or mask or lps:
+                    _convert(toks, mask, lps, tparts, mparts, lparts)
+                    toks, mask, lps = [], [], []
+                tparts += (pk.prompt_arr, made[0])   # type: ignore[union-attr]
+                mparts.append(made[1])
+                lparts.append(made[2])
+            else:
+                toks.extend(s.tokens)
+                mask.extend(s.loss_mask)
                 if lp is not None and len(lp) != s.response_length:
                     raise ValueError("logprobs")
-                lp64 = np.frombuffer(array.array("d", lp if lp is not None else ()), dtype=np.float64)
-                if (lp64 > 0).any():
-                    raise ValueError("logprobs")
-                with np.errstate(over="ignore"):
-                    lps.append(lp64.astype(np.float32) if lp is not None else np.zeros(s.response_length, np.float32))
+                lps.extend(lp if lp is not None else (0.0,) * s.response_length)
             n_tokens += len(s.tokens)
             toff.append(n_tokens)
             rl.append(s.response_length)
@@ -271,12 +273,27 @@ def _columns(groups: list[Group], packed: list[Packed | None] | None = None) -> 
         soff.append(len(uid))
     if any(type(x) is not str for x in status):
         raise ValueError("status")
-    tokens = np.concatenate(toks) if toks else np.zeros(0, dtype=np.int32)
-    lp32 = np.concatenate(lps) if lps else np.zeros(0, dtype=np.float32)
+    if toks or mask or lps or not tparts:
+        _convert(toks, mask, lps, tparts, mparts, lparts)
+    tokens, lp32, loss_mask = (x[0] if len(x) == 1 else np.concatenate(x) for x in (tparts, lparts, mparts))
     if not np.isfinite(lp32).all():
         raise ValueError("logprobs")   # the exact encoder decides what float32 cannot carry exactly
+    if len(tokens) != n_tokens:
+        raise ValueError("tokens")
     return cols.Columns(gids, gmeta, np.array(soff, dtype=np.int64), uid, np.array(gi, dtype=np.int32), status,
                         np.array(wv, dtype=np.int64), np.array(reward, dtype=np.float64), np.array(toff, dtype=np.int64),
-                        tokens, np.array(rl, dtype=np.int32),
-                        np.concatenate(mask) if mask else np.zeros(0, dtype=np.uint8),
-                        np.array(hl, dtype=np.uint8), lp32, prompt, response, label, meta)
+                        tokens, np.array(rl, dtype=np.int32), loss_mask, np.array(hl, dtype=np.uint8), lp32,
+                        prompt, response, label, meta)
+
+
+def _convert(toks: list[int], mask: list[int], lps: list[float], tparts: list[np.ndarray],
+             mparts: list[np.ndarray], lparts: list[np.ndarray]) -> None:
+    """Append the arrays of a run of samples' joined lists. array.array takes exactly ints ("i":
+    int32, "B": 0..255) / numbers ("d"), in C; a positive logprob raises (the exact encoder decides)."""
+    lp64 = np.frombuffer(array.array("d", lps), dtype=np.float64)
+    if (lp64 > 0).any():
+        raise ValueError("logprobs")
+    with np.errstate(over="ignore"):
+        lparts.append(lp64.astype(np.float32))
+    tparts.append(np.frombuffer(array.array("i", toks), dtype=np.int32))
+    mparts.append(np.frombuffer(array.array("B", mask), dtype=np.uint8))
