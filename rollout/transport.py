@@ -81,7 +81,6 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
         if not isinstance(lps, list) or len(lps) != len(ids):
             raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
         meta["finish_reason"] = fr
-        arrays = None
         floats = _plainly_valid(ids, lps) if len(ids) <= _SHORT_ANSWER else None
         if floats is None and ids:
             try:   # array.array takes exactly ints ('q') / numbers ('d'): the type check, in C
@@ -96,6 +95,9 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
             except (TypeError, IndexError, KeyError, OverflowError):
                 bad = next((x for x in lps if not _entry_ok(x)), lps[0])
                 raise ValueError(f"bad output_token_logprobs entry {bad!r}") from None
+            lo, hi = first.min(), first.max()   # all finite and <= 0 (the usual answer): two reductions
+            if math.isfinite(lo) and hi <= 0:   # the arrays just checked go with it (``columns_push.Packed``)
+                return Answer.of(out, lps, floats, (a, first))
             with np.errstate(invalid="ignore"):
                 wrong = ~np.isfinite(first) | (first > 1e-6)
             if wrong.any():
@@ -103,11 +105,9 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
             if (first > 0).any():  # within rounding of 0: clamp, as a logprob is never positive
                 meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
                 floats = [min(0.0, float(v)) for v in floats]
-            else:   # the arrays just checked, kept for the push (``columns_push.Packed``)
-                arrays = (a, first)
         elif floats is None:
             floats = []
-        return Answer.of(out, meta["output_token_logprobs"], floats, arrays)
+        return Answer.of(out, meta["output_token_logprobs"], floats)
     except (KeyError, TypeError, ValueError) as e:
         raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
 
