@@ -33,7 +33,9 @@ one group's answers (534 KB) takes 1.44 ms with the GC off and freeing them 0.93
 cost 0.97 ms. 4 Dec: 408 / 393 / 426 GPUs (7.7-8.0 ms per group), buffer 3,595 GPUs (1,097 groups/s);
 at 16 tokens with 2 engines 0.63 ms of service CPU per group. 4 Dec, ninth session (a default-generator
 group as one call, one sample copy each): 0.44 ms at 16 tokens; 453 / 467 / 446 GPUs at 2,048 (the
-per-token work did not change). bench/RESULTS.md has every run and profile.
+per-token work did not change). 5 Dec, twelfth session (the push encodes the arrays ``check_answer``
+made, ``columns_push.Packed``): 659 / 668 / 619 GPUs (4.8-5.3 ms per group, was 6.1-6.2); ``--services 2``
+1,026 GPUs with 8 engines. bench/RESULTS.md has every run and profile.
 
     python bench/fleet_sim.py [--engines 8,32,128] [--services 1] [--groups 256] [--rounds 3]
                               [--new-tokens 2048] [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
