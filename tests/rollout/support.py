@@ -23,6 +23,24 @@ def write_prompts(path: Path, n: int, label: Callable[[int], Any] = str) -> Path
     return path
 
 
+def generated(stacks: Callable[..., "Stack"], model: Path, tmp: Path, reward_src: str, groups: int, *, prompts: int,
+              n: int, max_new_tokens: int, **rollout: Any) -> tuple["Stack", list[Group]]:
+    """A started on_demand stack whose reward is ``reward_src`` (a module defining ``reward``), on
+    ``prompts`` prompts labelled ``{"answer": "<i>"}``, ``n`` samples each of ``max_new_tokens``
+    tokens (EOS ignored), plus ``rollout`` keys; ``groups`` groups generated (checked) and leased
+    back."""
+    (tmp / "rw.py").write_text(reward_src)
+    s = stacks(model, {
+        "data": {"path": str(write_prompts(tmp / "p.jsonl", prompts, lambda i: {"answer": str(i)})), "shuffle": False},
+        "n_samples_per_prompt": n, "mode": "on_demand", "reward": f"{tmp}/rw.py:reward",
+        "sampling": {"max_new_tokens": max_new_tokens, "ignore_eos": True}, **rollout}).start()
+    r = s.post("/v1/generate_batch", {"groups": groups})
+    assert r.status_code == 200 and r.json()["groups"] == groups, r.text
+    got = s.lease_all()
+    assert len(got) == groups
+    return s, got
+
+
 class Stack:
     """A buffer and a rollout service (with its engines) as child processes; ``stop`` ends them by pid."""
 

@@ -19,7 +19,7 @@ from headrace.rollout.loop import prompt_sample
 from headrace.rollout.transport import Retryable, check_answer, logprobs_of
 from headrace.shared import columns as cols
 from headrace.shared.schemas import Group, Sample
-from tests.rollout.support import write_prompts
+from tests.rollout.support import generated
 
 
 def _sample(**kw: object) -> Sample:
@@ -246,14 +246,8 @@ def reward(ctx, sample):
 def test_invalid_samples_fail_with_the_schemas_message_and_mutations_stay_local(tmp_path: Path, tiny_model: Path,
                                                                                  stacks) -> None:
     (tmp_path / "gen.py").write_text(GENERATOR)
-    (tmp_path / "rw.py").write_text(REWARD)
-    s = stacks(tiny_model, {
-        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4, lambda i: {"answer": str(i)})), "shuffle": False},
-        "n_samples_per_prompt": 4, "mode": "on_demand", "generate": f"{tmp_path}/gen.py:generate",
-        "reward": f"{tmp_path}/rw.py:reward", "sampling": {"max_new_tokens": 4, "ignore_eos": True}}).start()
-    r = s.post("/v1/generate_batch", {"groups": 1})
-    assert r.status_code == 200 and r.json()["groups"] == 1, r.text
-    [group] = s.lease_all()
+    s, [group] = generated(stacks, tiny_model, tmp_path, REWARD, 1, prompts=4, n=4, max_new_tokens=4,
+                           generate=f"{tmp_path}/gen.py:generate")
     by = {x.index: x for x in group.samples}
     prompt = by[0].tokens[:by[0].prompt_length]
     for i in (0, 3):
@@ -280,15 +274,7 @@ def test_the_default_generators_group_samples_share_nothing_mutable(tmp_path: Pa
     """The default generator's group path (``RolloutLoop._generate_group``: one model copy per
     sample): right ids, prompt and response, and a reward that mutates its sample's label and
     metadata in place reaches that sample only."""
-    (tmp_path / "rw.py").write_text(MUTATING_REWARD)
-    s = stacks(tiny_model, {
-        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 4, lambda i: {"answer": str(i)})), "shuffle": False},
-        "n_samples_per_prompt": 4, "mode": "on_demand", "reward": f"{tmp_path}/rw.py:reward",
-        "sampling": {"max_new_tokens": 4, "ignore_eos": True}}).start()
-    r = s.post("/v1/generate_batch", {"groups": 2})
-    assert r.status_code == 200 and r.json()["groups"] == 2, r.text
-    groups = s.lease_all()
-    assert len(groups) == 2
+    s, groups = generated(stacks, tiny_model, tmp_path, MUTATING_REWARD, 2, prompts=4, n=4, max_new_tokens=4)
     for g in groups:
         prompt = g.samples[0].tokens[:g.samples[0].prompt_length]
         for i, x in enumerate(g.samples):

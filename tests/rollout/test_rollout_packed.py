@@ -25,7 +25,7 @@ from headrace.rollout.loop import prompt_sample
 from headrace.rollout.transport import check_answer
 from headrace.shared import columns as cols
 from headrace.shared.schemas import Group
-from tests.rollout.support import write_prompts
+from tests.rollout.support import generated
 
 PROMPT = [11, 12, 13, 14, 15]
 N_NEW = 200   # above transport._SHORT_ANSWER: the numpy check runs and keeps its arrays
@@ -117,14 +117,7 @@ def reward(ctx, sample):
 def test_a_reward_changing_tokens_in_place_reaches_the_buffer(tmp_path: Path, tiny_model: Path, stacks) -> None:
     """Real buffer, rollout service and reference engine; answers of 150 tokens (numpy check,
     arrays kept): what the buffer stores is the sample as the reward left it."""
-    (tmp_path / "rw.py").write_text(TOKEN_REWARD)
-    s = stacks(tiny_model, {
-        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 2, lambda i: {"answer": str(i)})), "shuffle": False},
-        "n_samples_per_prompt": 3, "mode": "on_demand", "reward": f"{tmp_path}/rw.py:reward",
-        "sampling": {"max_new_tokens": 150, "ignore_eos": True}}).start()
-    r = s.post("/v1/generate_batch", {"groups": 1})
-    assert r.status_code == 200 and r.json()["groups"] == 1, r.text
-    (g,) = s.lease_all()
+    s, (g,) = generated(stacks, tiny_model, tmp_path, TOKEN_REWARD, 1, prompts=2, n=3, max_new_tokens=150)
     for x in g.samples:
         assert x.response_length == 150 == len(x.rollout_logprobs)
         changed = x.index == 1
