@@ -2,9 +2,9 @@
 
 DESIGN.md "Columnar wire format and scale-out". No model runs: one process (``--serve-engines``)
 listens on as many ports as the largest engine count and answers SGLang's ``/generate`` at once
-with the requested number of tokens and per-token logprobs, in SGLang's answer shape
-(``{"text", "output_ids", "meta_info": {"finish_reason", "output_token_logprobs": [[lp, id, null],
-...], ...}}``, a list for a batch request), plus the routes a fleet touches at start (``/health``,
+with the requested number of tokens (ids spread over ``--vocab``) and per-token logprobs, in
+SGLang's answer shape (``{"text", "output_ids", "meta_info": {"finish_reason",
+"output_token_logprobs": [[lp, id, null], ...], ...}}``, a list for a batch request), plus the routes a fleet touches at start (``/health``,
 ``/get_model_info``, ``/get_server_info``, ``/get_weight_version``, pause / continue / abort).
 Answers are built from bytes prepared once per token count, so the engines cost little CPU (the
 bench prints theirs: they must not be the bottleneck).
@@ -35,7 +35,9 @@ at 16 tokens with 2 engines 0.63 ms of service CPU per group. 4 Dec, ninth sessi
 group as one call, one sample copy each): 0.44 ms at 16 tokens; 453 / 467 / 446 GPUs at 2,048 (the
 per-token work did not change). 5 Dec, twelfth session (the push encodes the arrays ``check_answer``
 made, ``columns_push.Packed``): 659 / 668 / 619 GPUs (4.8-5.3 ms per group, was 6.1-6.2); ``--services 2``
-1,026 GPUs with 8 engines. bench/RESULTS.md has every run and profile.
+1,026 GPUs with 8 engines. Until then the answers' token ids were 5..54, which Python shares as
+objects; since, they spread over ``--vocab`` ids (150,000): 504 / 495 / 496 GPUs (6.4-6.7 ms per group;
+8.1 ms before the change), ``--services 2`` 737. bench/RESULTS.md has every run and profile.
 
     python bench/fleet_sim.py [--engines 8,32,128] [--services 1] [--groups 256] [--rounds 3]
                               [--new-tokens 2048] [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
@@ -68,13 +70,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 
 GPU_TOKENS_PER_S = 5000.0
+VOCAB = 150_000   # token ids of the simulated answers: as many distinct ids as a real vocabulary
 
 # ---- the simulated engines --------------------------------------------------------------------
 
 
-def _answer_parts(new_tokens: int) -> tuple[bytes, bytes]:
-    """One sequence's answer as (bytes before the prompt length, bytes after it)."""
-    ids = [5 + (k * 7) % 50 for k in range(new_tokens)]
+def _answer_parts(new_tokens: int, vocab: int) -> tuple[bytes, bytes]:
+    """One sequence's answer as (bytes before the prompt length, bytes after it); token ids spread
+    over [0, vocab)."""
+    ids = [(5 + k * 7919) % vocab for k in range(new_tokens)]
     # float32 logprobs as SGLang returns them (its tensors are float32): ~18 characters each
     import numpy as np
 
@@ -90,6 +94,7 @@ class _SimHTTP(asyncio.Protocol):
 
     parts: dict[int, tuple[bytes, bytes]] = {}
     requests = 0
+    vocab = VOCAB
 
     def connection_made(self, transport: Any) -> None:
         self.t = transport
@@ -120,7 +125,7 @@ class _SimHTTP(asyncio.Protocol):
             req = orjson.loads(body)
             n = int(req.get("sampling_params", {}).get("max_new_tokens", 16))
             if n not in self.parts:
-                self.parts[n] = _answer_parts(n)
+                self.parts[n] = _answer_parts(n, self.vocab)
             a, b = self.parts[n]
             ids = req["input_ids"]
             if ids and isinstance(ids[0], list):
@@ -142,7 +147,8 @@ class _SimHTTP(asyncio.Protocol):
                      % (status, reason, len(body)) + body)
 
 
-async def _serve_engines(count: int, ports_file: Path) -> None:
+async def _serve_engines(count: int, ports_file: Path, vocab: int) -> None:
+    _SimHTTP.vocab = vocab
     loop = asyncio.get_running_loop()
     servers = [await loop.create_server(_SimHTTP, "127.0.0.1", 0, backlog=1024) for _ in range(count)]
     ports = [s.sockets[0].getsockname()[1] for s in servers]
@@ -389,6 +395,9 @@ def main() -> None:
     ap.add_argument("--buffer-seconds", type=float, default=6.0)
     ap.add_argument("--buffer-memory", action="store_true", help="(b) against buffer --memory instead of SQLite")
     ap.add_argument("--gpu-tokens-per-s", type=float, default=GPU_TOKENS_PER_S)
+    ap.add_argument("--vocab", type=int, default=VOCAB,
+                    help="the simulated answers' token ids spread over [0, vocab) (until 5 Dec they were 5..54, "
+                         "ids Python caches as objects: --vocab 55 gives that cost again)")
     ap.add_argument("--profile", default=None, help="cProfile output of the rollout service (first engine count)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (logs, databases)")
     ap.add_argument("--preset", default="tiny-qwen2", help="model whose tokenizer the rollout service loads")
@@ -398,7 +407,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_engines:
-        asyncio.run(_serve_engines(args.serve_engines, Path(args.ports_file)))
+        asyncio.run(_serve_engines(args.serve_engines, Path(args.ports_file), args.vocab))
         return
     if args.producer:
         print(json.dumps(producer(args.producer, args.seed, args.buffer_seconds, args.push_batch,
@@ -425,7 +434,8 @@ def run(args: argparse.Namespace) -> None:
             data.write_text("".join(json.dumps({"prompt": f"{i % 89} + {i % 7} =", "label": "7"}) + "\n"
                                     for i in range(need)))
             ports_file = tmp / "ports.json"
-            sim = Proc([sys.executable, __file__, "--serve-engines", str(max(counts)), "--ports-file", str(ports_file)],
+            sim = Proc([sys.executable, __file__, "--serve-engines", str(max(counts)), "--ports-file", str(ports_file),
+                        "--vocab", str(args.vocab)],
                        tmp / "sim-engines.log", env=child_env())
             procs.append(sim)
             urls = [f"http://127.0.0.1:{p}" for p in _wait_file(ports_file, sim)]
