@@ -198,7 +198,8 @@ class Packed:
     def arrays_of(self, index: int, s: Sample) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """``(response tokens, loss mask, logprobs)`` arrays of sample ``s`` when its lists still
         hold exactly the prompt and answer they were made of, with every response token trained
-        on; None otherwise. List comparisons, in C: no per-item conversion."""
+        on; None otherwise. List comparisons, in C: no per-item conversion. Values that compare
+        equal count as unchanged (a reward that wrote ``1.0`` over a token ``1`` pushes ``1``)."""
         got = self.answers.get(index)
         if got is None or self.prompt_arr is None:
             return None
