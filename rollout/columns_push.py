@@ -177,7 +177,7 @@ class Packed:
     while its own lists still equal them (``arrays_of``), so a reward or filter that changed a sample
     in place is encoded from its lists as before."""
 
-    __slots__ = ("prompt", "prompt_arr", "answers")
+    __slots__ = ("prompt", "prompt_arr", "answers", "used")
 
     def __init__(self, prompt: list[int]) -> None:
         self.prompt = list(prompt)
@@ -186,6 +186,7 @@ class Packed:
         except (TypeError, OverflowError):   # not int32 ids: its samples take the lists' path
             self.prompt_arr = None
         self.answers: dict[int, tuple[list[int], np.ndarray, list[float], np.ndarray]] = {}
+        self.used: set[int] = set()   # the samples whose arrays ``arrays_of`` gave
 
     def add(self, index: int, ids: list[int], floats: list[float], arrays: tuple[np.ndarray, np.ndarray]) -> None:
         """Sample ``index``'s response: the answer's ``output_ids`` and logprobs lists with the
@@ -210,6 +211,7 @@ class Packed:
             return None
         if t[p:] != ids or t[:p] != self.prompt or lp != floats or m.count(1) != n:
             return None
+        self.used.add(index)
         return ids32, np.ones(n, dtype=np.uint8), lp32
 
 

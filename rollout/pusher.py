@@ -40,6 +40,7 @@ class PushStats:
     duplicates: int = 0
     rejected: int = 0
     retries: int = 0
+    from_arrays: int = 0   # samples pushed from the arrays the transport checked (``columns_push.Packed``)
     buffer_up: bool = True
 
 
@@ -134,6 +135,7 @@ class Pusher:
             # distinguishable when the whole batch was one or the other.
             self.stats.accepted += r.accepted
             self.stats.duplicates += r.duplicates
+            self.stats.from_arrays += sum(len(p.used) for _, _, p in items if p is not None)
             each: Outcome = "duplicate" if r.accepted == 0 else "accepted"
             for _, fut, _ in items:
                 _resolve(fut, each)

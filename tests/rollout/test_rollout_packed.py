@@ -64,11 +64,11 @@ def _rows(body: bytes) -> list[dict[str, Any]]:
 
 def test_packed_arrays_encode_exactly_what_the_lists_hold() -> None:
     g, packed = _group()
+    assert _rows(encode_groups([g], [packed])) == _rows(cols.encode([g])) == _rows(encode_groups([g]))
+    assert packed.used == {0, 1, 2}, "the push converted the lists again"
     for i, s in enumerate(g.samples):
         got = packed.arrays_of(i, s)
-        assert got is not None, "the push would convert the lists again"
-        assert got[0].tolist() == s.tokens[len(PROMPT):] and got[2].tolist() == s.rollout_logprobs
-    assert _rows(encode_groups([g], [packed])) == _rows(cols.encode([g])) == _rows(encode_groups([g]))
+        assert got is not None and got[0].tolist() == s.tokens[len(PROMPT):] and got[2].tolist() == s.rollout_logprobs
 
 
 CHANGES: list[tuple[str, Callable[[Any], None]]] = [
@@ -122,4 +122,6 @@ def test_a_reward_changing_tokens_in_place_reaches_the_buffer(tmp_path: Path, ti
         assert x.response_length == 150 == len(x.rollout_logprobs)
         changed = x.index == 1
         assert (x.tokens[-1] == 3 and x.loss_mask[-1] == 0) if changed else sum(x.loss_mask) == 150
-    assert s.status()["counts"]["samples_failed"] == 0
+    st = s.status()
+    assert st["counts"]["samples_failed"] == 0
+    assert st["push"]["from_arrays"] == 2   # the unchanged samples went from their arrays
