@@ -68,9 +68,9 @@ bytes) was slower.
 
 5 Dec (fourteenth session): computing the crc32s on a helper thread beside the ``pwritev`` cut the
 store's part in process (0.37 against 0.49 ms) but not in the server (``put`` 0.378 against 0.345
-ms; ratios new / old 0.54 / 0.55, 0.54 / 0.55, 0.55 / 0.57): dropped. Each run left its ~190 MB directory behind, pages
-this machine keeps dirty and throttles further writes on. With fifteen of them, runs measured
-0.28-0.35, so the script now deletes its directory (``--keep`` keeps it).
+ms; ratios new / old 0.54 / 0.55, 0.54 / 0.55, 0.55 / 0.57): dropped. Each run left its ~190 MB
+directory behind, pages this machine keeps dirty and throttles further writes on. With fifteen of
+them, runs measured 0.28-0.35, so the script now deletes its directory (``--keep`` keeps it).
 
     python bench/buffer_bench.py [--rounds 3] [--requests 12] [--groups-per-request 8] [--memory]
 """
