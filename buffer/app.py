@@ -381,7 +381,7 @@ def create_app(cfg: BufferConfig, auth: AuthConfig | None = None) -> "_Edge":
         assert svc.store is not None
         return wire.respond(await svc.db(svc.store.stats), request.headers.get("accept"))  # between transactions
 
-    return _Edge(app, svc, Guard.of(auth))
+    return _Edge(app, svc, Guard.of(auth), {("POST", "/v1/groups"): post_groups})
 
 
 def _page_params(params: dict[str, str], n_items: int) -> tuple[int, int]:
@@ -403,12 +403,17 @@ def _page_params(params: dict[str, str], n_items: int) -> tuple[int, int]:
 
 
 class _Edge:
-    """Pure ASGI wrapper: bearer-token check and the latency histogram, around every request."""
+    """Pure ASGI wrapper: bearer-token check and the latency histogram, around every request; the
+    hot ingest route (POST /v1/groups) is called from here directly, the others through FastAPI."""
 
-    def __init__(self, app: FastAPI, svc: BufferService, guard: Guard) -> None:
+    def __init__(self, app: FastAPI, svc: BufferService, guard: Guard,
+                 direct: dict[tuple[str, str], Callable[[Request], Any]] | None = None) -> None:
         self.app = app
         self.svc = svc
         self.guard = guard
+        # (method, path) -> handler called here, past FastAPI's middleware and routing (~0.05-0.1
+        # ms of a 1 MB ingest request); it handles its own errors and answers with a Response
+        self.direct = direct or {}
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -427,11 +432,17 @@ class _Edge:
             self._observe(scope, "unauthorized", status[0], t0)
             return
         self.svc.in_flight += 1
+        key = (scope["method"], scope["path"])
+        handler = self.direct.get(key) if not scope.get("root_path") else None
         try:
-            await self.app(scope, receive, send_status)
+            if handler is not None:
+                response = await handler(Request(scope, receive))
+                await response(scope, receive, send_status)
+            else:
+                await self.app(scope, receive, send_status)
         finally:
             self.svc.in_flight -= 1
-            route = getattr(scope.get("route"), "path", None) or "other"
+            route = key[1] if handler is not None else getattr(scope.get("route"), "path", None) or "other"
             self._observe(scope, route, status[0], t0)
 
     def _observe(self, scope: dict[str, Any], route: str, status: int, t0: float) -> None:
