@@ -19,7 +19,9 @@ Guarantees of ``ctx.generate(input_ids, sampling)``:
 - ``EngineClient.generate_group`` (the default generator's groups of at most ``coalesce_max``
   samples) gives each sample what ``generate`` would, with the group's first requests routed and
   queued together (one engine, as the rule above puts them) and no task per sample: on the 2-core
-  machine ~4% more groups/s through the service at 16 tokens (bench/rollout_bench.py);
+  machine ~4% more groups/s through the service at 16 tokens (bench/rollout_bench.py); its long
+  answers may be compact (``transport.Answer``: logprobs as a list and arrays, no SGLang entries,
+  which nothing on that path reads; ``entries_of`` builds them);
 - a request whose engine fails (connection lost, 5xx, garbage answer) is retried on another engine;
   4xx answers and exhausted retries raise ``EngineError`` (the sample becomes ``failed``);
 - ``ctx.weight_version`` afterwards is the oldest weight version that produced any of its tokens.
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, logprobs_of, one_sequence
+from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, entries_of, logprobs_of, one_sequence
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
@@ -181,8 +183,8 @@ class EngineClient:
         for _ in range(k):
             self.gate.enter()
         try:
-            outs = await asyncio.gather(*self.transport.submit(engine.url, input_ids, params, k, self.fleet.adapter),
-                                        return_exceptions=True)
+            outs = await asyncio.gather(*self.transport.submit(engine.url, input_ids, params, k, self.fleet.adapter,
+                                                               compact=True), return_exceptions=True)
         finally:
             engine.in_flight -= k
             for _ in range(k):
@@ -246,11 +248,13 @@ class EngineClient:
                 ctx.note_version(version)
                 segments += 1
             if answers:   # a resumed partial rollout: join the segments
+                if lps is None:   # the first segment's answer was compact: its entries, now
+                    lps = [[lp, t, None] for lp, t in zip(floats, ids)]
                 ids += seg_ids
-                lps += out["meta_info"]["output_token_logprobs"]
+                lps += entries_of(out)
                 floats += logprobs_of(out)
             else:   # the answer's own lists (parsed for this call alone): no copy of 3 x 2k items
-                ids, lps, floats = seg_ids, out["meta_info"]["output_token_logprobs"], logprobs_of(out)
+                ids, lps, floats = seg_ids, out["meta_info"].get("output_token_logprobs"), logprobs_of(out)
             text = out.get("text") or ""
             answers += 1
             reason = out["meta_info"]["finish_reason"]["type"]
@@ -272,8 +276,9 @@ class EngineClient:
             text = ctx.tokenizer.decode(ids)
         meta = dict(out["meta_info"])
         meta.update(finish_reason=dict(meta["finish_reason"], type=reason),
-                    output_token_logprobs=lps,
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
+        if lps is not None:   # (None: one compact answer, whose entries nothing on its path reads)
+            meta["output_token_logprobs"] = lps
         arrays = None   # one engine answer's checked arrays, while its lists are these very ones
         if answers == 1 and isinstance(out, Answer) and ids is out["output_ids"] and floats is out.logprobs:
             arrays = out.arrays

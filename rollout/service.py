@@ -274,6 +274,7 @@ class RolloutService:
             "admission_share": loop.admission_share,
             "generate_requests": self.engine.transport.requests, "sequences_sent": self.engine.transport.sequences,
             "refused_batches": self.engine.transport.refused_batches,
+            "compact_answers": self.engine.transport.compact_answers,
             "tokens": self.engine.tokens_out, "tokens_per_s": round(self.engine.tokens_out / max(up, 1e-9), 2),
             "uptime_s": round(up, 1), "data": self.data.state(), "adapter": self.fleet.adapter,
             "gateway": self.gateway.status(), "prefix_breaks": self.gateway.store.counts["prefix_breaks"],

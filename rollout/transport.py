@@ -21,7 +21,12 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
   ``window_s <= 0`` turns coalescing off;
 - a cancelled caller leaves the others' answers untouched;
 - ``lora`` (a LoRA adapter's name, ``trainer.lora_sync: adapter``) goes into the body as SGLang's
-  ``lora_path``; only sequences for the same adapter share a batch.
+  ``lora_path``; only sequences for the same adapter share a batch;
+- ``submit(..., compact=True)`` (the default generator's groups) may answer with compact
+  ``Answer``s: a batch whose answers average ``HEADRACE_FAST_ANSWERS_MIN_BYTES`` (8192) bytes or
+  more is read by ``rollout.fast_answers`` (simdjson, no Python object per token: at 2,048 tokens
+  the rollout service's CPU per group fell from ~4.8 to ~2.8 ms in ``bench/fleet_sim.py``), the
+  same values as the orjson path gives, or that path where the module is not sure.
 
 The requests go out through ``shared.aio.AioHTTP`` (aiohttp: a third of httpx's CPU per request);
 its errors are the httpx exceptions named above (connection refused: ``httpx.ConnectError``, no
@@ -38,6 +43,7 @@ import gc
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +51,7 @@ import httpx
 import numpy as np
 import orjson
 
+from headrace.rollout import fast_answers
 from headrace.shared.aio import AioHTTP, Reply
 from headrace.shared.schemas import MAX_TOKEN_ID
 
@@ -70,12 +77,8 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
     try:
         ids = out["output_ids"]
         meta = out["meta_info"]
-        fr = meta["finish_reason"]
+        fr = finish_reason(meta["finish_reason"])
         lps = meta["output_token_logprobs"]
-        if isinstance(fr, str):
-            fr = {"type": fr}
-        if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
-            raise ValueError(f"finish_reason {fr!r}")
         if not isinstance(ids, list):
             raise ValueError("output_ids is not a list of token ids")
         if not isinstance(lps, list) or len(lps) != len(ids):
@@ -112,18 +115,29 @@ def check_answer(out: Any, url: str) -> dict[str, Any]:
         raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
 
 
+def finish_reason(fr: Any) -> dict[str, Any]:
+    """SGLang's finish_reason as a dict (a bare string is its ``type``); ValueError for an unknown type."""
+    if isinstance(fr, str):
+        fr = {"type": fr}
+    if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
+        raise ValueError(f"finish_reason {fr!r}")
+    return fr
+
+
 class Answer(dict):
     """A checked /generate answer: to its readers a plain dict in SGLang's shape; it also keeps its
     logprobs as a list of numbers (``logprobs``) for the entries list they were read from
     (``entries``), so the hot path walks the entries once (``logprobs_of``). ``arrays``, when not
     None: ``(output_ids, logprobs)`` as the int64 / float64 arrays ``check_answer`` checked, equal
     to the ``output_ids`` list and ``logprobs`` it was made with (the push reuses them instead of
-    converting the lists again; ``columns_push.Packed`` checks they still match)."""
+    converting the lists again; ``columns_push.Packed`` checks they still match). A compact answer
+    (``rollout.fast_answers``; only ``Transport.submit(compact=True)`` gives them) has ``entries``
+    None and no ``output_token_logprobs`` in its ``meta_info``: ``entries_of`` builds them."""
 
     __slots__ = ("entries", "logprobs", "arrays")
 
     @classmethod
-    def of(cls, out: dict[str, Any], entries: list[Any], logprobs: list[float],
+    def of(cls, out: dict[str, Any], entries: list[Any] | None, logprobs: list[float],
            arrays: tuple[np.ndarray, np.ndarray] | None = None) -> "Answer":
         a = cls(out)
         a.entries, a.logprobs, a.arrays = entries, logprobs, arrays
@@ -132,11 +146,22 @@ class Answer(dict):
 
 def logprobs_of(answer: dict[str, Any]) -> list[float]:
     """The logprob of each output token of a /generate answer (kept by ``Answer`` when its entries
-    list is still the one it was made from; read from the entries otherwise)."""
-    entries = answer["meta_info"]["output_token_logprobs"]
-    if isinstance(answer, Answer) and answer.entries is entries and len(answer.logprobs) == len(entries):
+    list is still the one it was made from, or when it is compact; read from the entries otherwise)."""
+    entries = answer["meta_info"].get("output_token_logprobs")
+    if isinstance(answer, Answer) and answer.entries is entries and (
+            entries is None or len(answer.logprobs) == len(entries)):
         return answer.logprobs
-    return [x[0] for x in entries]
+    return [x[0] for x in answer["meta_info"]["output_token_logprobs"]]
+
+
+def entries_of(answer: dict[str, Any]) -> list[Any]:
+    """SGLang's ``[logprob, token id, null]`` entries of an answer; a compact answer's are built
+    from its lists (and kept in its ``meta_info`` from then on)."""
+    meta = answer["meta_info"]
+    if "output_token_logprobs" not in meta and isinstance(answer, Answer) and answer.entries is None:
+        meta["output_token_logprobs"] = answer.entries = [
+            [lp, t, None] for lp, t in zip(answer.logprobs, answer["output_ids"])]
+    return meta["output_token_logprobs"]
 
 
 def _plainly_valid(ids: list[Any], lps: list[Any]) -> list[float] | None:
@@ -175,6 +200,7 @@ class _Waiting:
     params: dict[str, Any]
     future: asyncio.Future
     lora: str | None = None
+    compact: bool = False
 
 
 @dataclass
@@ -201,11 +227,13 @@ class Transport:
         self.wire = AioHTTP({"authorization": auth} if auth else {})
         self.window_s = window_s
         self.max_batch = max(1, max_batch)
-        self._queues: dict[tuple[str, str, str | None], _Queue] = {}   # by (engine URL, sampling params, adapter)
+        self.fast_min_bytes = fast_min_bytes()
+        self._queues: dict[tuple[str, str, str | None, bool], _Queue] = {}   # by (URL, params, adapter, compact)
         self._tasks: set[asyncio.Task[None]] = set()
         self.requests = 0   # HTTP /generate requests sent
         self.sequences = 0  # sequences they carried
         self.refused_batches = 0  # batches answered 4xx and resent one sequence per request
+        self.compact_answers = 0  # answers read by rollout.fast_answers
         self.no_batch: set[str] = set()  # URLs that refused a batch whose sequences were all fine alone
 
     async def post(self, url: str, input_ids: list[int], params: dict[str, Any],
@@ -221,18 +249,20 @@ class Transport:
         return self.window_s > 0 and self.max_batch > 1 and url not in self.no_batch
 
     def submit(self, url: str, input_ids: list[int], params: dict[str, Any], copies: int,
-               lora: str | None = None) -> list[asyncio.Future]:
+               lora: str | None = None, compact: bool = False) -> list[asyncio.Future]:
         """Queue ``copies`` sequences of ``input_ids`` (a group's samples) for ``url`` at once; one
         future each, settled as ``post`` would answer that sequence. Only where ``coalesces(url)``,
-        with ``n`` 1 in ``params`` (the caller checks both)."""
+        with ``n`` 1 in ``params`` (the caller checks both). ``compact``: long answers may come as
+        compact ``Answer``s (no SGLang entries: see ``Answer``), for a caller that reads them only
+        through ``logprobs_of`` / ``entries_of``."""
         loop = asyncio.get_running_loop()
-        key = (url, _params_key(params), lora)   # one batch, one sampling_params
+        key = (url, _params_key(params), lora, compact)   # one batch, one sampling_params
         futs: list[asyncio.Future] = []
         for _ in range(copies):
             fut: asyncio.Future = loop.create_future()
             futs.append(fut)
             q = self._queues.setdefault(key, _Queue())
-            q.items.append(_Waiting(input_ids, params, fut, lora))
+            q.items.append(_Waiting(input_ids, params, fut, lora, compact))
             if len(q.items) >= self.max_batch:
                 self._flush(key)
             elif q.timer is None:
@@ -252,7 +282,7 @@ class Transport:
             out = out[0]
         return check_answer(out, url)
 
-    def _flush(self, key: tuple[str, str, str | None]) -> None:
+    def _flush(self, key: tuple[str, str, str | None, bool]) -> None:
         q = self._queues.pop(key, None)
         if q is None:
             return
@@ -289,6 +319,12 @@ class Transport:
                     self.no_batch.add(url)
                 return
             _raise_for_status(r, url)
+            fast = _fast_batch(r.content, len(items), self.fast_min_bytes) if items[0].compact else None
+            if fast is not None:
+                self.compact_answers += len(fast)
+                for w, a in zip(items, fast):
+                    _settle(w.future, result=a)
+                return
             outs = _json(r, url)
             if not isinstance(outs, list) or len(outs) != len(items):
                 got = f"{len(outs)} results" if isinstance(outs, list) else f"a {type(outs).__name__}"
@@ -324,6 +360,43 @@ class Transport:
         for t in list(self._tasks):
             t.cancel()
         await self.wire.close()
+
+
+FAST_MIN_BYTES_ENV = "HEADRACE_FAST_ANSWERS_MIN_BYTES"
+FAST_MIN_BYTES = 8192   # answers of this many bytes on average (~200 tokens) or more try ``rollout.fast_answers``
+
+
+def fast_min_bytes() -> int:
+    """``FAST_MIN_BYTES``, or the environment's ``HEADRACE_FAST_ANSWERS_MIN_BYTES`` (0: every
+    compact batch tries the fast path; a huge number: none does)."""
+    raw = os.environ.get(FAST_MIN_BYTES_ENV, str(FAST_MIN_BYTES))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{FAST_MIN_BYTES_ENV} must be a whole number of bytes per answer, got {raw!r}")
+    return value
+
+
+def _fast_batch(body: bytes, n: int, min_bytes: int) -> list[Answer] | None:
+    """A batch body's compact answers (``rollout.fast_answers``), or None: short answers (orjson is
+    as fast below ~128 tokens), or anything that module or ``check_answer``'s finish_reason rule
+    is not sure of."""
+    if len(body) < min_bytes * n:
+        return None
+    parsed = fast_answers.parse_batch(body, n)
+    if parsed is None:
+        return None
+    answers = []
+    for out, logprobs, arrays in parsed:
+        meta = out["meta_info"]
+        try:
+            meta["finish_reason"] = finish_reason(meta["finish_reason"])
+        except (KeyError, ValueError):
+            return None
+        answers.append(Answer.of(out, None, logprobs, arrays))
+    return answers
 
 
 def _settle(fut: asyncio.Future, result: Any = None, error: BaseException | None = None) -> None:

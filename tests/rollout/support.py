@@ -44,8 +44,10 @@ def generated(stacks: Callable[..., "Stack"], model: Path, tmp: Path, reward_src
 class Stack:
     """A buffer and a rollout service (with its engines) as child processes; ``stop`` ends them by pid."""
 
-    def __init__(self, tmp: Path, model: Path, rollout: dict[str, Any], max_staleness: int = 1) -> None:
+    def __init__(self, tmp: Path, model: Path, rollout: dict[str, Any], max_staleness: int = 1,
+                 env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.env = env or {}   # extra environment of the rollout service
         tmp.mkdir(parents=True, exist_ok=True)
         self.buffer_port = free_port()
         self.rollout_port = free_port()
@@ -75,7 +77,7 @@ class Stack:
         self.rollout = Proc(headrace_cmd("rollout", "serve", "--config", str(self.config), "--port",
                                          str(self.rollout_port), *self.rollout_args),
                             self.tmp / f"rollout-{self.starts}.log",
-                            env=child_env(HEADRACE_LOG_LEVEL="INFO"))
+                            env=child_env(HEADRACE_LOG_LEVEL="INFO", **self.env))
         self.rollout.wait_http(f"{self.url}/health", timeout=240)
 
     def start(self) -> "Stack":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.rollout.support import write_prompts
 
 GENERATOR = '''
@@ -91,11 +93,16 @@ def test_zero_variance_filter_with_over_sampling(tmp_path: Path, tiny_model, sta
     assert sorted(g.metadata["position"] for g in s.lease_all()) == [9, 12, 15]
 
 
-def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_path: Path, tiny_model, stacks) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["orjson", "fast-answers"])
+def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_path: Path, tiny_model, stacks,
+                                                                             fast: bool) -> None:
+    # fast: every batch of engine answers, however short, is read by rollout.fast_answers, so the
+    # aborted first segments that a resume joins are compact answers (no SGLang entries)
     s = stacks(tiny_model, {
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 64))},
         "n_samples_per_prompt": 2, "groups_per_step": 4, "max_concurrency": 8,
-        "sampling": {"max_new_tokens": 48, "ignore_eos": True}}, max_staleness=20).start()
+        "sampling": {"max_new_tokens": 48, "ignore_eos": True}}, max_staleness=20,
+        env={"HEADRACE_FAST_ANSWERS_MIN_BYTES": "0"} if fast else None).start()
     import time
 
     # A pause can land before the engine has produced a token for what is in flight (it gathers
@@ -128,6 +135,7 @@ def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_
     # every request that held tokens at the pause was continued, and keeps the oldest version
     # that produced a token; a request aborted before its first token is a plain retry, not resumed
     assert len(resumed) >= held and all(x.weight_version == 0 for x in resumed)
+    assert (s.status()["compact_answers"] > 0) == fast
     # drain mode: returns when running requests finished
     r = s.post("/v1/pause", {"mode": "drain"})
     assert r.status_code == 200 and s.status()["in_flight"] == 0
