@@ -37,7 +37,11 @@ per-token work did not change). 5 Dec, twelfth session (the push encodes the arr
 made, ``columns_push.Packed``): 659 / 668 / 619 GPUs (4.8-5.3 ms per group, was 6.1-6.2); ``--services 2``
 1,026 GPUs with 8 engines. Until then the answers' token ids were 5..54, which Python shares as
 objects; since, they spread over ``--vocab`` ids (150,000): 504 / 495 / 496 GPUs (6.4-6.7 ms per group;
-8.1 ms before the change), ``--services 2`` 737. bench/RESULTS.md has every run and profile.
+8.1 ms before the change), ``--services 2`` 737. 5 Dec, fifteenth session: the service reads long
+answers with simdjson (``rollout/fast_answers.py``: the triples become one flat array of numbers in
+the bytes, no Python object per token): 1,048-1,124 GPUs (3.0-3.1 ms per group) against 616-646
+(5.05-5.23 ms) with it turned off (``HEADRACE_FAST_ANSWERS_MIN_BYTES`` huge), in alternating runs.
+bench/RESULTS.md has every run and profile.
 
     python bench/fleet_sim.py [--engines 8,32,128] [--services 1] [--groups 256] [--rounds 3]
                               [--new-tokens 2048] [--producers 4] [--buffer-seconds 6] [--profile OUT.prof]
