@@ -25,7 +25,7 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
 - ``submit(..., compact=True)`` (the default generator's groups) may answer with compact
   ``Answer``s: a batch whose answers average ``HEADRACE_FAST_ANSWERS_MIN_BYTES`` (8192) bytes or
   more is read by ``rollout.fast_answers`` (simdjson, no Python object per token: at 2,048 tokens
-  the rollout service's CPU per group fell from ~4.8 to ~2.8 ms in ``bench/fleet_sim.py``), the
+  the rollout service's CPU per group fell from ~5.1 to ~3.0 ms in ``bench/fleet_sim.py``), the
   same values as the orjson path gives, or that path where the module is not sure.
 
 The requests go out through ``shared.aio.AioHTTP`` (aiohttp: a third of httpx's CPU per request);
