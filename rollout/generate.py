@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from headrace.rollout.transport import Answer, EngineError, Retryable, Transport, entries_of, logprobs_of, one_sequence
+from headrace.rollout.transport import (Answer, EngineError, Retryable, Transport, entries_of, logprobs_of,
+                                       make_entries, one_sequence)
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
@@ -249,7 +250,7 @@ class EngineClient:
                 segments += 1
             if answers:   # a resumed partial rollout: join the segments
                 if lps is None:   # the first segment's answer was compact: its entries, now
-                    lps = [[lp, t, None] for lp, t in zip(floats, ids)]
+                    lps = make_entries(floats, ids)
                 ids += seg_ids
                 lps += entries_of(out)
                 floats += logprobs_of(out)

@@ -159,9 +159,13 @@ def entries_of(answer: dict[str, Any]) -> list[Any]:
     from its lists (and kept in its ``meta_info`` from then on)."""
     meta = answer["meta_info"]
     if "output_token_logprobs" not in meta and isinstance(answer, Answer) and answer.entries is None:
-        meta["output_token_logprobs"] = answer.entries = [
-            [lp, t, None] for lp, t in zip(answer.logprobs, answer["output_ids"])]
+        meta["output_token_logprobs"] = answer.entries = make_entries(answer.logprobs, answer["output_ids"])
     return meta["output_token_logprobs"]
+
+
+def make_entries(logprobs: list[float], ids: list[int]) -> list[list[Any]]:
+    """SGLang's ``[logprob, token id, null]`` entries for these tokens."""
+    return [[lp, t, None] for lp, t in zip(logprobs, ids)]
 
 
 def _plainly_valid(ids: list[Any], lps: list[Any]) -> list[float] | None:
