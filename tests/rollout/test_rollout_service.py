@@ -101,12 +101,15 @@ def test_pause_abort_keeps_partial_rollouts_and_resume_tags_the_new_version(tmp_
     s = stacks(tiny_model, {
         "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 64))},
         "n_samples_per_prompt": 2, "groups_per_step": 4, "max_concurrency": 8,
-        "sampling": {"max_new_tokens": 48, "ignore_eos": True}}, max_staleness=20,
+        "sampling": {"max_new_tokens": 48, "ignore_eos": True}}, max_staleness=100,
         env={"HEADRACE_FAST_ANSWERS_MIN_BYTES": "0"} if fast else None).start()
     import time
 
     # A pause can land before the engine has produced a token for what is in flight (it gathers
     # bursts before a prefill; slow under load): then nothing is partial, so resume and try again.
+    # The admission cap ((100 + 1) x 4 groups) leaves room for all 20 tries: at max_staleness 20 a
+    # loaded CI run generated its 84 groups' worth before a pause caught partial tokens, and then
+    # nothing more was in flight to catch (5 Dec).
     for _ in range(20):
         s.wait(lambda st: st["in_flight"] >= 4 and st["tokens"] > 0, what="generation in flight")
         time.sleep(0.3)
