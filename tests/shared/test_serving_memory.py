@@ -1,6 +1,9 @@
-"""``shared.serving.keep_freed_memory``: after it, a process that keeps allocating and freeing
-MB-sized blocks (what a service receiving MB bodies does) reuses its heap instead of faulting in
-fresh pages for every block. Counted in minor page faults of a real child process (no timing)."""
+"""``shared.serving``'s memory settings, in real child processes (no timing):
+- ``keep_freed_memory``: after it, a process that keeps allocating and freeing MB-sized blocks (what
+  a service receiving MB bodies does) reuses its heap instead of faulting in fresh pages for every
+  block. Counted in minor page faults.
+- ``serve`` freezes what was allocated before the server started (out of the cyclic GC's walks),
+  while cyclic garbage made later is still collected; ``freeze_heap=False`` leaves the GC alone."""
 
 from __future__ import annotations
 
@@ -9,9 +12,10 @@ import platform
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from tests.procs import child_env
+from tests.procs import Proc, child_env, free_port
 
 _CHURN = """
 import resource, sys
@@ -60,3 +64,41 @@ def test_no_glibc_means_no_change(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(ctypes, "CDLL", no_libc)
     assert serving.keep_freed_memory() is False
+
+
+_SERVE = """
+import gc, sys
+from fastapi import FastAPI
+from headrace.shared.serving import serve
+
+app = FastAPI()
+
+class Node:
+    pass
+
+@app.get("/gc")
+def state() -> dict:
+    a, b = Node(), Node()   # a cycle made while serving: only the cyclic GC frees it
+    a.other, b.other = b, a
+    del a, b
+    return {"frozen": gc.get_freeze_count(), "collected": gc.collect()}
+
+serve(app, "127.0.0.1", int(sys.argv[1]), freeze_heap=sys.argv[2] == "on")
+"""
+
+
+@pytest.mark.parametrize("freeze", ["on", "off"])
+def test_serve_freezes_the_startup_heap_and_still_collects_later_cycles(freeze: str, tmp_path) -> None:
+    port = free_port()
+    proc = Proc([sys.executable, "-c", _SERVE, str(port), freeze], tmp_path / "serve.log", env=child_env())
+    try:
+        url = f"http://127.0.0.1:{port}/gc"
+        proc.wait_http(url)
+        got = httpx.get(url, timeout=10).json()
+    finally:
+        proc.stop()
+    if freeze == "on":   # fastapi, pydantic, uvicorn and the app: far more than this many objects
+        assert got["frozen"] > 20_000, got
+    else:
+        assert got["frozen"] == 0, got
+    assert got["collected"] >= 2, f"the cycle made while serving was not collected: {got}"
