@@ -33,6 +33,7 @@ import httpx
 from headrace.shared import columns as cols
 from headrace.shared import wire
 from headrace.shared.aio import AioHTTP, Reply
+from headrace.shared.eager_http import EagerHTTP
 from headrace.shared.schemas import BufferStats, Group, LeaseResponse, PostGroupsResponse, Sample
 
 __all__ = ["BufferError", "BufferClient", "AsyncBufferClient", "LeaseColumns"]
@@ -50,7 +51,7 @@ class BufferError(RuntimeError):
         super().__init__(f"{where}{status or 'no answer'}: {message}")
 
 
-_RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
 def _group_payload(groups: Iterable[Group | dict[str, Any]]) -> dict[str, Any]:
@@ -176,7 +177,7 @@ class _Base:
 
     @staticmethod
     def _should_retry(resp: httpx.Response | Reply) -> bool:
-        return resp.status_code in _RETRY_STATUS
+        return resp.status_code in RETRY_STATUS
 
     @staticmethod
     def _result(method: str, path: str, resp: httpx.Response | Reply) -> Any:
@@ -308,6 +309,10 @@ class AsyncBufferClient(_Base):
                  columns: bool = True) -> None:
         super().__init__(url, token, timeout, retries, backoff_s, max_backoff_s, msgpack, columns)
         self._http = AioHTTP()
+        try:
+            self._now: EagerHTTP | None = EagerHTTP(self.url, self.headers)
+        except ValueError:   # not plain http (https, say): post_columns_now is not offered
+            self._now = None
 
     async def _request(self, method: str, path: str, body: Any = None, timeout: float | None = None,
                        headers: dict[str, str] | None = None) -> Any:
@@ -339,6 +344,25 @@ class AsyncBufferClient(_Base):
     async def post_columns(self, body: bytes) -> PostGroupsResponse:
         """``post_groups`` of a body already encoded as columns (``shared.columns``)."""
         return PostGroupsResponse.model_validate(await self._request("POST", "/v1/groups", body))
+
+    @property
+    def posts_now(self) -> bool:
+        """Whether ``post_columns_now`` is offered (a plain ``http://`` buffer URL)."""
+        return self._now is not None
+
+    def post_columns_now(self, body: bytes) -> "asyncio.Future[Reply]":
+        """One attempt of ``post_columns`` whose request is written before this returns, on a
+        kept-alive connection (``shared.eager_http``: the buffer starts on it while the caller goes
+        on). No retry here: the future fails as one attempt would (an httpx error), and
+        ``posted(reply)`` reads its answer."""
+        if self._now is None:
+            raise RuntimeError("post_columns_now needs a plain http:// buffer URL (see posts_now)")
+        return self._now.post("/v1/groups", body, {"content-type": cols.COLUMNS}, self.timeout)
+
+    def posted(self, reply: Reply) -> PostGroupsResponse:
+        """The answer of a ``post_columns_now``; ``BufferError`` for any status >= 400 (429 and 5xx
+        included: retrying is the caller's)."""
+        return PostGroupsResponse.model_validate(self._result("POST", "/v1/groups", reply))
 
     async def lease(self, groups: int, wait_s: float = 0.0, lease_s: float = 600.0,
                     min_weight_version: int | None = None, validate: bool = True) -> LeaseResponse | None:
@@ -382,6 +406,8 @@ class AsyncBufferClient(_Base):
 
     async def close(self) -> None:
         await self._http.close()
+        if self._now is not None:
+            await self._now.close()
 
     async def __aenter__(self) -> "AsyncBufferClient":
         return self
