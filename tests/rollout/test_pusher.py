@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from headrace.rollout.pusher import MAX_IN_FLIGHT, Pusher
+import pytest
+
+from headrace.rollout.pusher import EAGER_GROUPS, MAX_IN_FLIGHT, Pusher
 from headrace.shared import columns as cols
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.schemas import Group
@@ -21,8 +23,10 @@ from tests.trainer.support import make_groups
 class SlowBuffer:
     """``POST /v1/groups`` answered after ``delay_s``; group ids per request and peak concurrency."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self, delay_s: float, fail: int = 0) -> None:
         self.delay_s = delay_s
+        self.fail = fail   # the first ``fail`` requests are answered 503, nothing recorded
+        self.refused: list[list[str]] = []
         self.requests: list[list[str]] = []
         self.held = self.peak = 0
 
@@ -39,15 +43,21 @@ class SlowBuffer:
             self.peak = max(self.peak, self.held)
             await asyncio.sleep(self.delay_s)
             self.held -= 1
-            self.requests.append(list(columns.group_id))
-            body = json.dumps({"accepted": len(columns.group_id), "duplicates": 0}).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            if len(self.refused) < self.fail:
+                self.refused.append(list(columns.group_id))
+                status, body = b"503 Service Unavailable", b'{"detail": "busy"}'
+            else:
+                self.requests.append(list(columns.group_id))
+                status = b"200 OK"
+                body = json.dumps({"accepted": len(columns.group_id), "duplicates": 0}).encode()
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
             await writer.drain()
         writer.close()
 
 
-def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it() -> None:
+@pytest.mark.parametrize("eager", [EAGER_GROUPS, 0])
+def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it(eager: int) -> None:
     groups = [Group.model_validate(g) for g in make_groups(n_groups=25, size=2, seed=4)]
 
     async def run() -> tuple[SlowBuffer, list[str], int]:
@@ -55,7 +65,7 @@ def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it() -> 
         server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=0)
-        pusher = Pusher(client, batch=64, retry_max_s=1.0)
+        pusher = Pusher(client, batch=64, retry_max_s=1.0, eager_groups=eager)
         pusher.start()
         first = asyncio.create_task(pusher.push(groups[0]))
         await asyncio.sleep(0.05)        # the first group is on its way alone
@@ -75,8 +85,44 @@ def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it() -> 
     buffer, outcomes, pending = asyncio.run(run())
     assert outcomes == ["accepted"] * len(groups)
     assert pending == len(groups)
-    assert buffer.peak == MAX_IN_FLIGHT == 2
     ids = [g for r in buffer.requests for g in r]
     assert sorted(ids) == sorted(g.group_id for g in groups)          # each group exactly once
-    # the first two went alone; everything queued meanwhile went as one batch when a post returned
-    assert [len(r) for r in buffer.requests] == [1, 1, len(groups) - 2]
+    # the first two went alone, each as soon as it was pushed
+    sizes = [len(r) for r in buffer.requests]
+    assert sizes[:2] == [1, 1]
+    assert MAX_IN_FLIGHT == 4
+    if eager:
+        # the 23 pushed in one turn: at every 8th, push posted what was queued while posts were
+        # free (two more: four in flight); the last 7 went when a post returned
+        assert eager == 8 and sizes[2:] == [8, 8, 7] and buffer.peak == 4
+    else:
+        # everything queued meanwhile went as one batch, at once (a post was free)
+        assert sizes[2:] == [len(groups) - 2] and buffer.peak == 3
+
+
+def test_a_push_posted_at_once_that_fails_is_posted_again_and_stored_once() -> None:
+    """The first attempt of an eager post answered 503: the retrying client posts the same groups
+    again; every group is answered, and stored exactly once."""
+    groups = [Group.model_validate(g) for g in make_groups(n_groups=EAGER_GROUPS, size=2, seed=5)]
+
+    async def run() -> tuple[SlowBuffer, list[str], dict]:
+        buffer = SlowBuffer(delay_s=0.01, fail=1)
+        server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01)
+        pusher = Pusher(client, batch=64, retry_max_s=1.0)
+        pusher.start()
+        await asyncio.sleep(0)
+        outcomes = await asyncio.gather(*(pusher.push(g) for g in groups))   # one turn: one eager post
+        stats = dict(vars(pusher.stats))
+        await pusher.stop()
+        await client.close()
+        server.close()
+        await server.wait_closed()
+        return buffer, outcomes, stats
+
+    buffer, outcomes, stats = asyncio.run(run())
+    assert outcomes == ["accepted"] * len(groups)
+    assert stats["eager_posts"] == 1 and stats["accepted"] == len(groups)
+    assert buffer.refused == [[g.group_id for g in groups]]      # the eager attempt, refused whole
+    assert [g for r in buffer.requests for g in r] == [g.group_id for g in groups]   # then stored once
