@@ -69,12 +69,36 @@ changes, each measured in back-to-back pairs (old, new; ratios):
 - each sample of such a group one model copy of the prompt sample (no copy for the generator, no
   appending attribute by attribute): 0.894/0.937, 0.912/0.911, 0.918/0.925, 0.876/0.873, 0.898/0.925.
 Service CPU per 16-token group (fleet_sim, 2 engines, under cProfile) fell ~15% with the second.
+
+5 Dec, sixteenth session. ``--direct-batch`` now also sets the service's ``engines.coalesce_max``
+(default: that setting's default), so both sides send the same batches. Traced from inside (the
+bench, the service and both engines stamping one clock), a round's medians in ms from the
+bench's call: the service has the request at 1.2, its last /generate leaves at 3.8, the engines
+finish their batches at 85.7 and 90.0, the service has read the last answer at 96.6 (the engine
+renders and sends 128 answers; the service may still be building the first engine's groups), the
+last group is built at 100.1, the buffer has the last POST (16 groups) stored at 102.2 and the
+bench has the answer at 103.1. The direct round reads its answers ~2 ms after the engines finish.
+Found and changed:
+- every server (engines, buffer, rollout service; ``shared.serving.serve``) and this script now
+  freeze their startup heap (``gc.freeze``): the engines had a 95-140 ms full collection about
+  every 1.5 s, this process one of ~100 ms as often, in whichever round it fell;
+- the rollout service's pushes go through ``shared.eager_http`` (a fraction of aiohttp's CPU per
+  request) and ``push`` posts 8 queued groups at once, written before it returns, so the buffer
+  stores them while the service builds the rest (``rollout/pusher.py``);
+- ``engines.coalesce_max`` 128 instead of 32: one batch per engine a round.
+Alternating runs, medians: first attempts through eager_http 0.887-0.898 against 0.874-0.879;
+posting at 8 queued groups 0.888 against 0.882; coalesce_max 128 0.900 against 0.884 (6 pairs);
+all three against none (with --direct-batch 32): 0.890 against 0.879 (6 pairs, 4 better). Tried
+and dropped: httptools (0.884 against 0.887), the engines' /generate through eager_http (0.878
+against 0.890: no gain). Single runs range ~0.86-0.93 with the same code: the target (0.90) is
+still missed in the median.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -149,9 +173,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     ap.add_argument("--ask-engines", action="store_true",
                     help="service rounds name no weight version: the service reads it from every engine")
-    ap.add_argument("--direct-batch", type=int, default=32,
-                    help="sequences per request of the batched direct baseline (the service's engines.coalesce_max)")
+    ap.add_argument("--direct-batch", type=int, default=None,
+                    help="sequences per request of the batched direct baseline and the service's "
+                         "engines.coalesce_max (default: that setting's default)")
     args = ap.parse_args()
+    if args.direct_batch is None:
+        from headrace.shared.config_sections import EnginesConfig
+        args.direct_batch = EnginesConfig.model_fields["coalesce_max"].default
 
     from headrace.shared.modelzoo import init_model, load_tokenizer
 
@@ -184,7 +212,8 @@ def main() -> None:
         cfg = tmp / "run.yaml"
         cfg.write_text(yaml.safe_dump({
             "model": str(model), "buffer": {"url": f"http://127.0.0.1:{bport}", "capacity": 1000000},
-            "rollout": {"engines": {"backend": "external", "urls": urls}, "mode": "on_demand",
+            "rollout": {"engines": {"backend": "external", "urls": urls, "coalesce_max": args.direct_batch},
+                        "mode": "on_demand",
                         "data": {"path": str(data), "shuffle": False}, "n_samples_per_prompt": args.n,
                         "max_concurrency": args.groups * args.n, "reward": "exact_match",
                         "sampling": {k: v for k, v in sampling.items()}},
@@ -200,6 +229,10 @@ def main() -> None:
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling))
         asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling, args.direct_batch))
         version = None if args.ask_engines else 0   # what the engines serve: the trainer knows it
+        # this process's heap so far (torch, transformers, the tokenizer) out of the cyclic GC's walks,
+        # as the services do (shared.serving): a full collection here took ~100 ms, in whichever round
+        gc.collect()
+        gc.freeze()
         service_round(rollout, args.groups, version)
         times: dict[str, list[float]] = {"direct": [], "direct_batched": [], "service": []}
         cpu = dict.fromkeys(times, 0.0)

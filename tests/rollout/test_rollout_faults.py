@@ -40,8 +40,10 @@ def _positions(groups) -> list[int]:
 def test_engine_killed_mid_run_is_rerouted_and_restarted(tmp_path: Path, tiny_model, stacks) -> None:
     s = stacks(tiny_model, {
         "engines": {"backend": "reference", "count": 2, "base_port": free_port(), "health_interval_s": 0.5},
-        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 200))},
-        "n_samples_per_prompt": 2, "groups_per_step": 100, "max_concurrency": 8,
+        # enough prompts and admission room (2 x groups_per_step) that engine 1 alone cannot finish
+        # them all while engine 0 restarts (200 prompts once were, and nothing was left for it)
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 2000))},
+        "n_samples_per_prompt": 2, "groups_per_step": 1000, "max_concurrency": 8,
         "sampling": {"max_new_tokens": 24, "ignore_eos": True}}).start()
     st = s.wait(lambda st: st["produced"] >= 2 and st["engines"][0]["in_flight"] > 0, what="engine 0 busy")
     victim = st["engines"][0]
