@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 import pytest
 
@@ -56,30 +58,41 @@ class SlowBuffer:
         writer.close()
 
 
+@asynccontextmanager
+async def pusher_to(buffer: SlowBuffer, **kw: Any) -> AsyncIterator[Pusher]:
+    """A started ``Pusher`` (``kw``: its own arguments and the client's) posting to ``buffer``
+    served on loopback; stopped, and everything closed, on exit."""
+    server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=kw.pop("retries", 0),
+                               backoff_s=kw.pop("backoff_s", 0.2))
+    pusher = Pusher(client, batch=64, retry_max_s=1.0, **kw)
+    pusher.start()
+    try:
+        yield pusher
+    finally:
+        await pusher.stop()
+        await client.close()
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize("eager", [EAGER_GROUPS, 0])
 def test_a_lone_first_group_does_not_hold_back_the_groups_queued_behind_it(eager: int) -> None:
     groups = [Group.model_validate(g) for g in make_groups(n_groups=25, size=2, seed=4)]
 
     async def run() -> tuple[SlowBuffer, list[str], int]:
         buffer = SlowBuffer(delay_s=0.3)
-        server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=0)
-        pusher = Pusher(client, batch=64, retry_max_s=1.0, eager_groups=eager)
-        pusher.start()
-        first = asyncio.create_task(pusher.push(groups[0]))
-        await asyncio.sleep(0.05)        # the first group is on its way alone
-        second = asyncio.create_task(pusher.push(groups[1]))
-        await asyncio.sleep(0.05)        # so is the second: two posts in flight
-        rest = [asyncio.create_task(pusher.push(g)) for g in groups[2:]]
-        await asyncio.sleep(0.05)
-        pending = pusher.pending         # queued behind two posts, all counted
-        outcomes = await asyncio.gather(first, second, *rest)
-        assert pusher.pending == 0
-        await pusher.stop()
-        await client.close()
-        server.close()
-        await server.wait_closed()
+        async with pusher_to(buffer, eager_groups=eager) as pusher:
+            first = asyncio.create_task(pusher.push(groups[0]))
+            await asyncio.sleep(0.05)        # the first group is on its way alone
+            second = asyncio.create_task(pusher.push(groups[1]))
+            await asyncio.sleep(0.05)        # so is the second: two posts in flight
+            rest = [asyncio.create_task(pusher.push(g)) for g in groups[2:]]
+            await asyncio.sleep(0.05)
+            pending = pusher.pending         # queued behind two posts, all counted
+            outcomes = await asyncio.gather(first, second, *rest)
+            assert pusher.pending == 0
         return buffer, outcomes, pending
 
     buffer, outcomes, pending = asyncio.run(run())
@@ -107,18 +120,10 @@ def test_a_push_posted_at_once_that_fails_is_posted_again_and_stored_once() -> N
 
     async def run() -> tuple[SlowBuffer, list[str], dict]:
         buffer = SlowBuffer(delay_s=0.01, fail=1)
-        server = await asyncio.start_server(buffer.handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        client = AsyncBufferClient(f"http://127.0.0.1:{port}", retries=3, backoff_s=0.01)
-        pusher = Pusher(client, batch=64, retry_max_s=1.0)
-        pusher.start()
-        await asyncio.sleep(0)
-        outcomes = await asyncio.gather(*(pusher.push(g) for g in groups))   # one turn: one eager post
-        stats = dict(vars(pusher.stats))
-        await pusher.stop()
-        await client.close()
-        server.close()
-        await server.wait_closed()
+        async with pusher_to(buffer, retries=3, backoff_s=0.01) as pusher:
+            await asyncio.sleep(0)
+            outcomes = await asyncio.gather(*(pusher.push(g) for g in groups))   # one turn: one eager post
+            stats = dict(vars(pusher.stats))
         return buffer, outcomes, stats
 
     buffer, outcomes, stats = asyncio.run(run())
