@@ -238,6 +238,8 @@ class EagerHTTP:
         self.keepalive_s = keepalive_s
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()
+        # connections being opened -> the request waiting for each (held: the loop keeps only weak references)
+        self._connecting: dict[asyncio.Task[None], asyncio.Future[Reply]] = {}
 
     def post(self, path: str, body: bytes, headers: Mapping[str, str] | None = None,
              timeout_s: float = 30.0) -> "asyncio.Future[Reply]":
@@ -259,6 +261,9 @@ class EagerHTTP:
         return waiter
 
     async def close(self) -> None:
+        for task, waiter in list(self._connecting.items()):   # still connecting: cancelled with the request
+            task.cancel()
+            waiter.cancel()
         for conn in list(self._all):
             waiter, conn.waiter, conn.retry = conn.waiter, None, None
             conn._close()
@@ -268,7 +273,9 @@ class EagerHTTP:
         self._all.clear()
 
     def _open(self, request: bytes, waiter: asyncio.Future[Reply], timeout_s: float, again: bool) -> None:
-        asyncio.get_running_loop().create_task(self._connect(request, waiter, timeout_s, again))
+        task = asyncio.get_running_loop().create_task(self._connect(request, waiter, timeout_s, again))
+        self._connecting[task] = waiter
+        task.add_done_callback(lambda t: self._connecting.pop(t, None))
 
     async def _connect(self, request: bytes, waiter: asyncio.Future[Reply], timeout_s: float, again: bool) -> None:
         loop = asyncio.get_running_loop()

@@ -217,6 +217,12 @@ def test_close_cancels_requests_in_flight() -> None:
         assert await asyncio.to_thread(server.got_request.wait, 5.0)
         await client.close()
         assert await_first.cancelled()
+        # a request still connecting when the client closes is cancelled too
+        connecting = EagerHTTP(server.url)
+        fut = connecting.post("/x", b"")
+        await connecting.close()
+        await asyncio.sleep(0.05)
+        assert fut.cancelled()
 
     run(main)
     server.close()
