@@ -118,7 +118,7 @@ class EnginesConfig(_Section):
     request_timeout_s: float = Field(default=600.0, gt=0, le=86_400, description="seconds one /generate call may take")
     coalesce_ms: float = Field(default=2.0, ge=0, le=1000, description="milliseconds within which sequences for one "
                                "engine go as one batch /generate (0: off)")
-    coalesce_max: int = Field(default=128, ge=1, le=4096, description="most sequences in one batch /generate")
+    coalesce_max: int = Field(default=32, ge=1, le=4096, description="most sequences in one batch /generate")
     threads: int | None = Field(default=None, ge=1, le=512, description="torch threads per reference engine "
                                 "(default 1)")
     health_interval_s: float = Field(default=1.0, gt=0, le=3600, description="seconds between engine health checks")
