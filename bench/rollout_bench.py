@@ -85,7 +85,9 @@ Found and changed:
 - the rollout service's pushes go through ``shared.eager_http`` (a fraction of aiohttp's CPU per
   request) and ``push`` posts 8 queued groups at once, written before it returns, so the buffer
   stores them while the service builds the rest (``rollout/pusher.py``);
-- ``engines.coalesce_max`` 128 instead of 32: one batch per engine a round.
+- ``engines.coalesce_max`` 128 instead of 32 (one batch per engine a round) was measured and its
+  default left at 32: its gain is within this script's noise, and a vLLM rollout test's
+  pause/resume race failed once under it in CI.
 Alternating runs, medians: first attempts through eager_http 0.887-0.898 against 0.874-0.879;
 posting at 8 queued groups 0.888 against 0.882; coalesce_max 128 0.900 against 0.884 (6 pairs);
 all three against none (with --direct-batch 32): 0.890 against 0.879 (6 pairs, 4 better). Tried
