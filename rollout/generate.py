@@ -184,8 +184,7 @@ class EngineClient:
         for _ in range(k):
             self.gate.enter()
         try:
-            outs = await asyncio.gather(*self.transport.submit(engine.url, input_ids, params, k, self.fleet.adapter,
-                                                               compact=True), return_exceptions=True)
+            outs = await self.transport.submit_group(engine.url, input_ids, params, k, self.fleet.adapter, compact=True)
         finally:
             engine.in_flight -= k
             for _ in range(k):
@@ -202,7 +201,13 @@ class EngineClient:
                 later.append(i)   # retried or resumed: it may wait, so concurrently with the others
                 answers.append(o)
                 continue
-            try:   # a final answer: ``generate`` returns it without awaiting anything (no task needed)
+            if isinstance(o, Answer):   # a final answer: what ``generate`` would make of it
+                if o["output_ids"]:
+                    c.note_version(version)
+                self.tokens_out += len(o["output_ids"])
+                answers.append(_completed(o, input_ids, o["meta_info"]["finish_reason"]["type"]))
+                continue
+            try:   # ``generate`` returns it without awaiting anything (no task needed)
                 answers.append(await self.generate(c, input_ids, sampling, (o, version, epoch)))
             except Exception as e:  # noqa: BLE001 - that sample's fault, as gather would return it
                 answers.append(e)
@@ -272,6 +277,8 @@ class EngineClient:
                 reason = "length"
             break
         self.tokens_out += len(ids)
+        if answers == 1 and isinstance(out, Answer) and ids is out["output_ids"] and floats is out.logprobs:
+            return _completed(out, input_ids, reason)   # (its checked arrays go with it)
         segments = max(segments, 1)
         if answers > 1 and ctx.tokenizer is not None:
             text = ctx.tokenizer.decode(ids)
@@ -280,10 +287,18 @@ class EngineClient:
                     prompt_tokens=len(input_ids), completion_tokens=len(ids), segments=segments)
         if lps is not None:   # (None: one compact answer, whose entries nothing on its path reads)
             meta["output_token_logprobs"] = lps
-        arrays = None   # one engine answer's checked arrays, while its lists are these very ones
-        if answers == 1 and isinstance(out, Answer) and ids is out["output_ids"] and floats is out.logprobs:
-            arrays = out.arrays
-        return Answer.of({"text": text, "output_ids": ids, "meta_info": meta}, lps, floats, arrays)
+        return Answer.of({"text": text, "output_ids": ids, "meta_info": meta}, lps, floats)
+
+
+def _completed(out: Answer, input_ids: list[int], reason: str) -> Answer:
+    """A single engine answer made the caller's, in place (nothing else holds it): ``generate``'s
+    fields added (``finish_reason`` type ``reason``, prompt and completion tokens, one segment)."""
+    meta = out["meta_info"]
+    if meta["finish_reason"]["type"] != reason:
+        meta["finish_reason"] = dict(meta["finish_reason"], type=reason)
+    meta["prompt_tokens"], meta["completion_tokens"], meta["segments"] = len(input_ids), len(out["output_ids"]), 1
+    out["text"] = out.get("text") or ""
+    return out
 
 
 def _unless_stopped(answers: list[Any]) -> list[Any]:

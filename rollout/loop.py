@@ -51,7 +51,7 @@ from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
-from headrace.shared.schemas import Group, Sample, SampleStatus
+from headrace.shared.schemas import FAILED, Group, Sample, SampleStatus
 from headrace.shared.staleness import admission_cap, admits
 from headrace.shared.staleness import admission_share as share_of_cap
 
@@ -211,7 +211,7 @@ class RolloutLoop:
                 seen.add(id(s))
                 flat.append((ctx, base, s))
                 built.append(numbers_valid)
-        todo = [(k, s) for k, (_, _, s) in enumerate(flat) if s.status != SampleStatus.failed.value]
+        todo = [(k, s) for k, (_, _, s) in enumerate(flat) if s.status != FAILED]
         samples = [s for _, _, s in flat]
         for (k, _), (ok, why) in zip(todo, check_outputs([s for _, s in todo], [built[k] for k, _ in todo])):
             samples[k] = ok if ok is not None else failed(flat[k][1], f"generator produced an invalid sample: {why}")
@@ -220,7 +220,7 @@ class RolloutLoop:
         try:
             for (ctx, _, _), s in zip(flat, samples):
                 s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-                if s.status != SampleStatus.failed.value:
+                if s.status != FAILED:
                     pending = score_now(self.reward_fn, ctx, s)
                     if pending is not None:   # an async reward: those of the group run concurrently
                         scoring.append((pending, ctx, s))
@@ -270,8 +270,8 @@ class RolloutLoop:
             if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)
                 s.index, s.uid, s.group_id = i, uid, gid
         self.counts["samples"] += len(samples)
-        self.counts["samples_failed"] += sum(s.status == SampleStatus.failed.value for s in samples)
-        if all(s.status == SampleStatus.failed.value for s in samples):
+        self.counts["samples_failed"] += sum(s.status == FAILED for s in samples)
+        if all(s.status == FAILED for s in samples):
             log.warning("group %s: every sample failed (%s)", gid, samples[0].metadata.get("error"))
             return None
         return Group(group_id=gid, samples=samples, metadata={"epoch": item.epoch, "position": item.position})
@@ -433,7 +433,7 @@ class RolloutLoop:
         mean = sum(rewards) / len(rewards)
         pass1 = sum(r >= 1.0 for r in rewards) / len(rewards)
         return {"n": len(samples), "score": pass1, "pass_at_1": pass1, "reward_mean": mean,
-                "failed": sum(s.status == SampleStatus.failed.value for s in samples),
+                "failed": sum(s.status == FAILED for s in samples),
                 "weight_version": min((s.weight_version for s in samples), default=self.gate.version)}
 
     async def flush_cursor(self) -> None:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import httpx
 
 from headrace.shared.plugins import load_plugin
-from headrace.shared.schemas import Sample, SampleStatus
+from headrace.shared.schemas import FAILED, Sample, SampleStatus
 
 if TYPE_CHECKING:
     from headrace.rollout.generate import RolloutContext
@@ -136,7 +136,7 @@ def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample) -> Awaitable[
     """``score_sample`` without a task when it can: a reward function that answers at once (a plain
     ``def``, as the built-ins but ``remote``) is applied here and None is returned; an awaitable
     answer is returned as it is, for ``score_later`` to finish with the same outcome."""
-    if sample.status == SampleStatus.failed.value:
+    if sample.status == FAILED:
         sample.reward = None
         return None
     try:
@@ -189,7 +189,7 @@ def _apply_reward(out: Any, ctx: "RolloutContext", sample: Sample) -> None:
 
 
 def _reward_failed(ctx: "RolloutContext", sample: Sample, e: BaseException) -> None:
-    sample.status = SampleStatus.failed.value
+    sample.status = FAILED
     sample.reward = None
     sample.metadata["error"] = f"reward: {type(e).__name__}: {e}"
     ctx.logger.warning("reward failed for %s: %s: %s", sample.uid, type(e).__name__, e)

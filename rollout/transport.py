@@ -132,7 +132,9 @@ class Answer(dict):
     to the ``output_ids`` list and ``logprobs`` it was made with (the push reuses them instead of
     converting the lists again; ``columns_push.Packed`` checks they still match). A compact answer
     (``rollout.fast_answers``; only ``Transport.submit(compact=True)`` gives them) has ``entries``
-    None and no ``output_token_logprobs`` in its ``meta_info``: ``entries_of`` builds them."""
+    None and no ``output_token_logprobs`` in its ``meta_info``: ``entries_of`` builds them. Each
+    answer the transport gives is its caller's alone (made for that one sequence), so the caller
+    may complete it in place (``generate``)."""
 
     __slots__ = ("entries", "logprobs", "arrays")
 
@@ -198,11 +200,61 @@ def _entry_ok(x: Any) -> bool:
             and x[0] <= 1e-6)
 
 
+class _Share:
+    """Where one sequence of a ``submit_group`` call is settled: its place in the group's list,
+    which resolves the group's one future once every place is filled. To the transport it is a
+    future (``done``, ``cancelled``, ``exception``, ``set_result``, ``set_exception``, ``cancel``);
+    a cancelled sequence (the batch's fate) leaves a ``CancelledError`` in its place, as
+    ``asyncio.gather(..., return_exceptions=True)`` would; a cancelled group future leaves every
+    place done, so its sequences are not sent."""
+
+    __slots__ = ("group", "index", "error", "filled")
+
+    def __init__(self, group: "_Group", index: int) -> None:
+        self.group, self.index, self.error, self.filled = group, index, None, False
+
+    def done(self) -> bool:
+        return self.filled or self.group.future.done()
+
+    def cancelled(self) -> bool:
+        return not self.filled and self.group.future.cancelled()
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def set_result(self, value: Any) -> None:
+        self.group.fill(self, value)
+
+    def set_exception(self, error: BaseException) -> None:
+        if not self.filled:
+            self.error = error
+            self.group.fill(self, error)
+
+    def cancel(self) -> None:
+        self.set_exception(asyncio.CancelledError())
+
+
+class _Group:
+    __slots__ = ("future", "results", "left")
+
+    def __init__(self, future: asyncio.Future, n: int) -> None:
+        self.future, self.results, self.left = future, [None] * n, n
+
+    def fill(self, share: _Share, value: Any) -> None:
+        if share.filled:
+            return
+        share.filled = True
+        self.results[share.index] = value
+        self.left -= 1
+        if not self.left and not self.future.done():
+            self.future.set_result(self.results)
+
+
 @dataclass
 class _Waiting:
     input_ids: list[int]
     params: dict[str, Any]
-    future: asyncio.Future
+    future: Any   # an asyncio.Future, or a ``_Share`` of a group's
     lora: str | None = None
     compact: bool = False
 
@@ -260,18 +312,32 @@ class Transport:
         compact ``Answer``s (no SGLang entries: see ``Answer``), for a caller that reads them only
         through ``logprobs_of`` / ``entries_of``."""
         loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future] = [loop.create_future() for _ in range(copies)]
+        self._queue(url, input_ids, params, futs, lora, compact)
+        return futs
+
+    def submit_group(self, url: str, input_ids: list[int], params: dict[str, Any], copies: int,
+                     lora: str | None = None, compact: bool = False) -> asyncio.Future:
+        """``submit`` with one future for the ``copies`` sequences: their answers in a list, each
+        the answer or the exception its own future would hold (a cancellation as a
+        ``CancelledError``), as ``asyncio.gather(*submit(...), return_exceptions=True)`` gives
+        them, without a future and a callback per sequence. Cancelling it withdraws the sequences
+        not yet sent."""
+        fut = asyncio.get_running_loop().create_future()
+        group = _Group(fut, copies)
+        self._queue(url, input_ids, params, [_Share(group, i) for i in range(copies)], lora, compact)
+        return fut
+
+    def _queue(self, url: str, input_ids: list[int], params: dict[str, Any], futs: list[Any],
+               lora: str | None, compact: bool) -> None:
         key = (url, _params_key(params), lora, compact)   # one batch, one sampling_params
-        futs: list[asyncio.Future] = []
-        for _ in range(copies):
-            fut: asyncio.Future = loop.create_future()
-            futs.append(fut)
+        for fut in futs:
             q = self._queues.setdefault(key, _Queue())
             q.items.append(_Waiting(input_ids, params, fut, lora, compact))
             if len(q.items) >= self.max_batch:
                 self._flush(key)
             elif q.timer is None:
-                q.timer = loop.call_later(self.window_s, self._flush, key)
-        return futs
+                q.timer = asyncio.get_running_loop().call_later(self.window_s, self._flush, key)
 
     async def _single(self, url: str, input_ids: list[int], params: dict[str, Any],
                       lora: str | None = None) -> dict[str, Any]:

@@ -126,6 +126,9 @@ class SampleStatus(str, Enum):
     failed = "failed"
 
 
+FAILED = SampleStatus.failed.value   # (an enum member's ``.value`` is a Python-level property: hot loops use this)
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, use_enum_values=True)
 

@@ -79,6 +79,39 @@ def test_a_groups_copies_submitted_at_once_travel_in_one_batch_each_with_its_own
     assert sent == [1, 3] and t.sequences == 16            # 5 in one batch; 11 = a full batch of 8, then 3
 
 
+def test_a_group_as_one_future_gets_what_gathering_its_copies_gives(engine_url: str) -> None:
+    """``submit_group``: one future for k copies, settled with the list ``asyncio.gather(*submit(...),
+    return_exceptions=True)`` gives: answers in order, each its own object; a copy the engine refuses
+    holds its error in its place; a cancelled group is withdrawn before it is sent."""
+    async def go(http: httpx.AsyncClient) -> tuple[list[Any], list[Any], list[Any], list[int], Transport]:
+        t = Transport(http, timeout_s=60, window_s=0.05, max_batch=8)
+        params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}
+        eleven = await t.submit_group(engine_url, [5, 6, 7, 8], params, 11)     # a full batch of 8, then 3
+        sent = [t.requests]
+        # a group and a sequence outside the vocabulary share a batch: refused (400), resent one by one
+        good = t.submit_group(engine_url, [5, 6], params, 3)
+        bad_group = t.submit_group(engine_url, [5, 10**7], params, 2)
+        mixed = await asyncio.gather(good, bad_group)
+        sent.append(t.requests)
+        t.window_s = 30.0   # queued, not yet sent: a cancelled group is withdrawn, the others go on
+        withdrawn = t.submit_group(engine_url, [9, 9], params, 4)
+        withdrawn.cancel()
+        got = await asyncio.gather(*(t.post(engine_url, [9, 9], params) for _ in range(4)))   # fills the batch
+        sent.append(t.sequences)
+        await t.close()
+        return eleven, mixed, got, sent, t
+
+    eleven, (good, bad), alone, sent, t = _run(go)
+    assert len(eleven) == 11 and len({id(o) for o in eleven}) == 11
+    assert all(o["meta_info"]["prompt_tokens"] == 4 and len(o["output_ids"]) == 3 for o in eleven)
+    assert sent[0] == 2                                    # 11 copies: two batches
+    assert [o["meta_info"]["prompt_tokens"] for o in good] == [2, 2, 2]
+    assert len(bad) == 2 and all(isinstance(e, EngineError) and "400" in str(e) for e in bad)
+    assert sent[1] == 2 + 1 + 5 and t.refused_batches == 1   # the batch of 5, then each alone
+    assert [o["meta_info"]["prompt_tokens"] for o in alone] == [2] * 4
+    assert sent[2] == 11 + 5 + 5 + 4                       # the withdrawn group's 4 never went
+
+
 def test_a_refused_sequence_fails_alone_and_n_above_1_is_refused(engine_url: str) -> None:
     async def go(http: httpx.AsyncClient) -> tuple[list[Any], Transport]:
         t = Transport(http, timeout_s=60, window_s=0.05, max_batch=16)
@@ -175,6 +208,21 @@ def test_a_failed_batch_reaches_every_caller_as_the_single_request_error(tmp_pat
     finally:
         if proc is not None:
             proc.stop()
+
+
+def test_a_failed_batch_fills_every_place_of_a_group_with_the_error(tmp_path: Path) -> None:
+    async def go(http: httpx.AsyncClient, url: str) -> list[Any]:
+        t = Transport(http, timeout_s=30, window_s=0.01, max_batch=8)
+        outs = await t.submit_group(url, [1, 2], {"max_new_tokens": 1}, 3)
+        await t.close()
+        return outs
+
+    url, proc = _fake(tmp_path, "500")
+    try:
+        outs = _run(go, url)
+    finally:
+        proc.stop()
+    assert len(outs) == 3 and all(isinstance(o, Retryable) and "500" in str(o) for o in outs)
 
 
 def test_coalescing_off_sends_one_request_per_sequence(engine_url: str) -> None:
