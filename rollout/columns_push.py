@@ -16,7 +16,7 @@ Guarantees of ``check_outputs(samples)``:
 - booleans inside the numeric lists are taken as 0 / 1, as the columnar encoder takes them;
 - the per-token checks are skipped for samples the caller marks as built from checked parts (the
   default generator's: ~13% of the service's CPU per 8 x 2,048-token group was this second pass
-  over lists ``transport.check_answer`` had just checked).
+  over lists ``answers.check_answer`` had just checked).
 
 ``encode_groups(groups, packed)`` is the push's body: the groups as one columnar body
 (``application/x-headrace-columns``), numeric columns converted in C (``array.array``) with no
@@ -136,7 +136,7 @@ def check_outputs(samples: list[Sample], numbers_valid: list[bool] | None = None
     """Each sample checked: ``(sample, None)`` when valid (possibly a normalised copy), ``(None,
     message)`` when not. ``numbers_valid[i]`` says sample ``i``'s ``tokens``, ``loss_mask`` and
     ``rollout_logprobs`` are valid by construction (the default generator's samples: tokenizer
-    output plus engine answers that ``transport.check_answer`` checked); only its other fields are
+    output plus engine answers that ``answers.check_answer`` checked); only its other fields are
     checked then."""
     plain = [_plain(s) for s in samples]
     index = [i for i, ok in enumerate(plain) if ok and not (numbers_valid and numbers_valid[i])]
@@ -171,7 +171,7 @@ def short(e: ValidationError) -> str:
 
 class Packed:
     """One group's token and logprob arrays, made where the default generator's values were checked
-    (the tokenized prompt once, each engine answer's arrays from ``transport.check_answer``), so the
+    (the tokenized prompt once, each engine answer's arrays from ``answers.check_answer``), so the
     push need not convert the samples' lists again (~0.9 ms of the service's CPU per 8 x 2,048-token
     group). The lists the arrays were made from are kept, private: a sample's arrays are used only
     while its own lists still equal them (``arrays_of``), so a reward or filter that changed a sample

@@ -20,7 +20,7 @@ Guarantees of ``ctx.generate(input_ids, sampling)``:
   samples) gives each sample what ``generate`` would, with the group's first requests routed and
   queued together (one engine, as the rule above puts them) and no task per sample: on the 2-core
   machine ~4% more groups/s through the service at 16 tokens (bench/rollout_bench.py); its long
-  answers may be compact (``transport.Answer``: logprobs as a list and arrays, no SGLang entries,
+  answers may be compact (``answers.Answer``: logprobs as a list and arrays, no SGLang entries,
   which nothing on that path reads; ``entries_of`` builds them);
 - a request whose engine fails (connection lost, 5xx, garbage answer) is retried on another engine;
   4xx answers and exhausted retries raise ``EngineError`` (the sample becomes ``failed``);
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import httpx
 
-from headrace.rollout.transport import (Answer, EngineError, Retryable, Transport, entries_of, logprobs_of,
-                                       make_entries, one_sequence)
+from headrace.rollout.answers import Answer, EngineError, Retryable, entries_of, logprobs_of, make_entries
+from headrace.rollout.transport import Transport, one_sequence
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 

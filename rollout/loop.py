@@ -11,7 +11,7 @@ Guarantees:
   over their tokens, masks and logprobs; the row schema only for a sample it flags), before
   scoring; no per-sample pydantic validation or deep copy on the hot path. The default generator's
   token, mask and logprob lists are not walked a second time: they are the tokenizer's output and
-  engine answers the transport checked (``transport.check_answer``); its other fields are. The
+  engine answers the transport checked (``answers.check_answer``); its other fields are. The
   push encodes the arrays of that check (``columns_push.Packed``) while the lists still equal them.
 - Each generator call gets its own copy of the prompt sample (fresh lists and free-form
   containers): a generator that mutates its input cannot reach another sample.
@@ -47,6 +47,7 @@ from headrace.rollout.columns_push import Packed, check_outputs, copy_for_genera
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields
+from headrace.rollout.prompts import prompt_ids, prompt_ids_many
 from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
@@ -104,6 +105,7 @@ class RolloutLoop:
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
         self._group_lock = asyncio.Lock()
         self._packed: dict[str, Packed] = {}   # group id -> its arrays, until its slot ends
+        self._tokenized: dict[str, tuple[list[int], str]] = {}   # item key -> its prompt ids, until produced
         # rollout.agent: ``await agent(item, group_id)`` -> the group's samples (the gateway's runner)
         self.agent: Callable[[PromptItem, str], Awaitable[list[Sample]]] | None = None
         self.logger = logging.getLogger("headrace.rollout.plugin")
@@ -122,12 +124,8 @@ class RolloutLoop:
         return RolloutContext(self.engine if with_engine else None, self.tokenizer, self.rc, self.logger, self.http)
 
     def _prompt_ids(self, item: PromptItem) -> tuple[list[int], str]:
-        p = item.prompt
-        if isinstance(p, list) or self.rc.data.apply_chat_template:
-            msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), text
-        return list(self.tokenizer(p)["input_ids"]), p
+        got = self._tokenized.pop(item.key, None)   # (generate_batch tokenizes its round at once)
+        return got if got is not None else prompt_ids(self.tokenizer, item, self.rc.data.apply_chat_template)
 
     async def _generate(self, base: Sample, sampling: dict[str, Any], group_engine: list[Any] | None = None) -> Made:
         """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the
@@ -295,6 +293,7 @@ class RolloutLoop:
         finally:
             self.groups_in_flight -= 1
             self._packed.pop(self._gid(item), None)
+            self._tokenized.pop(item.key, None)
             self._wake.set()
 
     async def _slot(self, item: PromptItem) -> bool:
@@ -390,13 +389,16 @@ class RolloutLoop:
             running: set[asyncio.Task[bool]] = set()
             exhausted = False
             while pushed < n:
-                while not exhausted and len(running) + pushed < n and drawn < limit:
+                items: list[PromptItem] = []
+                while not exhausted and len(running) + len(items) + pushed < n and drawn < limit:
                     item = self.data.next()
                     if item is None:
                         exhausted = True
                         break
-                    running.add(self._spawn(item))
+                    items.append(item)
                     drawn += 1
+                self._tokenized.update(prompt_ids_many(self.tokenizer, items, self.rc.data.apply_chat_template))
+                running.update(self._spawn(item) for item in items)
                 if not running:
                     break
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
@@ -423,7 +425,7 @@ class RolloutLoop:
 
         async def one(i: int, triple: tuple[Any, Any, dict[str, Any]]) -> Sample:
             item = PromptItem(position=i, epoch=0, prompt=triple[0], label=triple[1], metadata=triple[2])
-            ids, text = self._prompt_ids(item)
+            ids, text = prompt_ids(self.tokenizer, item, self.rc.data.apply_chat_template)   # (not a round's)
             base = prompt_sample(uid=f"eval-{i}", group_id=f"eval-{i}", tokens=ids, prompt=text, label=item.label,
                                  metadata={}, weight_version=self.gate.version)
             return (await self._sample(base, sampling))[0]

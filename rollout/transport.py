@@ -10,7 +10,8 @@ reference engine all accept; sglang-router 0.3.2 refuses a list of sampling para
 
 Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
 - the caller gets what a single-sequence ``/generate`` would give it: that sequence's answer, checked
-  (``check_answer``), or the exception a single request would raise: ``httpx.TransportError`` /
+  (``rollout.answers``: ``check_answer``, or ``check_short_batch`` for a batch of short answers
+  at once, the same outcome), or the exception a single request would raise: ``httpx.TransportError`` /
   ``httpx.TimeoutException`` (connection or timeout; a batch shares its fate), ``Retryable`` (5xx,
   429 Too Many Requests: an engine's queue bound, unusable body) or ``EngineError`` (other 4xx);
 - a batch answered 4xx is sent again one sequence per request, so one bad sequence (a token
@@ -20,6 +21,8 @@ Guarantees of ``Transport.post(url, input_ids, params)``, batched or not:
 - ``n`` != 1 in the sampling params is an ``EngineError`` (one call, one sequence) and sends nothing;
   ``window_s <= 0`` turns coalescing off;
 - a cancelled caller leaves the others' answers untouched;
+- ``submit_group`` settles a group's copies as one future (their answers or errors in a list),
+  without a future and a callback per sequence;
 - ``lora`` (a LoRA adapter's name, ``trainer.lora_sync: adapter``) goes into the body as SGLang's
   ``lora_path``; only sequences for the same adapter share a batch;
 - ``submit(..., compact=True)`` (the default generator's groups) may answer with compact
@@ -37,155 +40,22 @@ of the environment are not used for engines.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import gc
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import numpy as np
 import orjson
 
 from headrace.rollout import fast_answers
+from headrace.rollout.answers import Answer, EngineError, Retryable, check_answer, check_short_batch, finish_reason
 from headrace.shared.aio import AioHTTP, Reply
-from headrace.shared.schemas import MAX_TOKEN_ID
 
 log = logging.getLogger("headrace.rollout.transport")
-
-
-class EngineError(RuntimeError):
-    """An engine call that cannot succeed (4xx, malformed answers, retries exhausted)."""
-
-
-class Retryable(RuntimeError):
-    """An engine answer worth retrying on another engine (5xx, unusable body)."""
-
-
-_SHORT_ANSWER = 128  # answers up to this many tokens try ``_plainly_valid`` first: numpy's fixed cost is more
-
-
-def check_answer(out: Any, url: str) -> dict[str, Any]:
-    """Validate the parts of a /generate answer we rely on; ``Retryable`` for garbage. Per-token
-    checks run as numpy over the whole answer (one pass in C, not a Python test per token); a short
-    answer that ``_plainly_valid`` accepts skips them (anything it doubts takes the numpy path, which
-    alone words the errors and clamps)."""
-    try:
-        ids = out["output_ids"]
-        meta = out["meta_info"]
-        fr = finish_reason(meta["finish_reason"])
-        lps = meta["output_token_logprobs"]
-        if not isinstance(ids, list):
-            raise ValueError("output_ids is not a list of token ids")
-        if not isinstance(lps, list) or len(lps) != len(ids):
-            raise ValueError(f"{len(lps) if isinstance(lps, list) else lps!r} logprobs for {len(ids)} tokens")
-        meta["finish_reason"] = fr
-        floats = _plainly_valid(ids, lps) if len(ids) <= _SHORT_ANSWER else None
-        if floats is None and ids:
-            try:   # array.array takes exactly ints ('q') / numbers ('d'): the type check, in C
-                a = np.frombuffer(array.array("q", ids), dtype=np.int64)
-            except (TypeError, OverflowError):
-                raise ValueError("output_ids is not a list of token ids") from None
-            if a.min() < 0 or a.max() > MAX_TOKEN_ID:
-                raise ValueError("output_ids is not a list of token ids (each 0 <= id < 2^31)")
-            try:
-                floats = [x[0] for x in lps]
-                first = np.frombuffer(array.array("d", floats), dtype=np.float64)
-            except (TypeError, IndexError, KeyError, OverflowError):
-                bad = next((x for x in lps if not _entry_ok(x)), lps[0])
-                raise ValueError(f"bad output_token_logprobs entry {bad!r}") from None
-            lo, hi = first.min(), first.max()   # all finite and <= 0 (the usual answer): two reductions
-            if math.isfinite(lo) and hi <= 0:   # the arrays just checked go with it (``columns_push.Packed``)
-                return Answer.of(out, lps, floats, (a, first))
-            with np.errstate(invalid="ignore"):
-                wrong = ~np.isfinite(first) | (first > 1e-6)
-            if wrong.any():
-                raise ValueError(f"bad output_token_logprobs entry {lps[int(np.argmax(wrong))]!r}")
-            if (first > 0).any():  # within rounding of 0: clamp, as a logprob is never positive
-                meta["output_token_logprobs"] = [[min(0.0, float(x[0])), *x[1:]] for x in lps]
-                floats = [min(0.0, float(v)) for v in floats]
-        elif floats is None:
-            floats = []
-        return Answer.of(out, meta["output_token_logprobs"], floats)
-    except (KeyError, TypeError, ValueError) as e:
-        raise Retryable(f"{url}/generate answered an unusable body ({type(e).__name__}: {e})") from None
-
-
-def finish_reason(fr: Any) -> dict[str, Any]:
-    """SGLang's finish_reason as a dict (a bare string is its ``type``); ValueError for an unknown type."""
-    if isinstance(fr, str):
-        fr = {"type": fr}
-    if not isinstance(fr, dict) or fr.get("type") not in ("length", "stop", "abort"):
-        raise ValueError(f"finish_reason {fr!r}")
-    return fr
-
-
-class Answer(dict):
-    """A checked /generate answer: to its readers a plain dict in SGLang's shape; it also keeps its
-    logprobs as a list of numbers (``logprobs``) for the entries list they were read from
-    (``entries``), so the hot path walks the entries once (``logprobs_of``). ``arrays``, when not
-    None: ``(output_ids, logprobs)`` as the int64 / float64 arrays ``check_answer`` checked, equal
-    to the ``output_ids`` list and ``logprobs`` it was made with (the push reuses them instead of
-    converting the lists again; ``columns_push.Packed`` checks they still match). A compact answer
-    (``rollout.fast_answers``; only ``Transport.submit(compact=True)`` gives them) has ``entries``
-    None and no ``output_token_logprobs`` in its ``meta_info``: ``entries_of`` builds them. Each
-    answer the transport gives is its caller's alone (made for that one sequence), so the caller
-    may complete it in place (``generate``)."""
-
-    __slots__ = ("entries", "logprobs", "arrays")
-
-    @classmethod
-    def of(cls, out: dict[str, Any], entries: list[Any] | None, logprobs: list[float],
-           arrays: tuple[np.ndarray, np.ndarray] | None = None) -> "Answer":
-        a = cls(out)
-        a.entries, a.logprobs, a.arrays = entries, logprobs, arrays
-        return a
-
-
-def logprobs_of(answer: dict[str, Any]) -> list[float]:
-    """The logprob of each output token of a /generate answer (kept by ``Answer`` when its entries
-    list is still the one it was made from, or when it is compact; read from the entries otherwise)."""
-    entries = answer["meta_info"].get("output_token_logprobs")
-    if isinstance(answer, Answer) and answer.entries is entries and (
-            entries is None or len(answer.logprobs) == len(entries)):
-        return answer.logprobs
-    return [x[0] for x in answer["meta_info"]["output_token_logprobs"]]
-
-
-def entries_of(answer: dict[str, Any]) -> list[Any]:
-    """SGLang's ``[logprob, token id, null]`` entries of an answer; a compact answer's are built
-    from its lists (and kept in its ``meta_info`` from then on)."""
-    meta = answer["meta_info"]
-    if "output_token_logprobs" not in meta and isinstance(answer, Answer) and answer.entries is None:
-        meta["output_token_logprobs"] = answer.entries = make_entries(answer.logprobs, answer["output_ids"])
-    return meta["output_token_logprobs"]
-
-
-def make_entries(logprobs: list[float], ids: list[int]) -> list[list[Any]]:
-    """SGLang's ``[logprob, token id, null]`` entries for these tokens."""
-    return [[lp, t, None] for lp, t in zip(logprobs, ids)]
-
-
-def _plainly_valid(ids: list[Any], lps: list[Any]) -> list[float] | None:
-    """The logprobs of an answer that passes every check of the numpy path with nothing to clamp
-    (ids ints in range, entries' logprobs finite numbers <= 0), for a few tokens in a few
-    microseconds; None whenever that is not certain. The same ``array.array`` conversions decide
-    the types; a finite float sum proves no NaN or infinity is among them."""
-    try:
-        a = array.array("q", ids)
-        floats = [x[0] for x in lps]
-        f = array.array("d", floats)
-    except (TypeError, IndexError, KeyError, OverflowError):
-        return None
-    if not a or len(f) != len(a) or min(a) < 0 or max(a) > MAX_TOKEN_ID:
-        return None
-    if not math.isfinite(sum(f)) or max(f) > 0:
-        return None
-    return floats
 
 
 def one_sequence(params: dict[str, Any]) -> None:
@@ -193,11 +63,6 @@ def one_sequence(params: dict[str, Any]) -> None:
     if params.get("n", 1) != 1:
         raise EngineError(f"a /generate call here is for one sequence: sampling_params n must be 1, "
                           f"got {params.get('n')!r} (make one call per sample)")
-
-
-def _entry_ok(x: Any) -> bool:
-    return (isinstance(x, (list, tuple)) and bool(x) and isinstance(x[0], (int, float)) and math.isfinite(x[0])
-            and x[0] <= 1e-6)
 
 
 class _Share:
@@ -405,6 +270,11 @@ class Transport:
                 _settle(w.future, error=e)
             if not isinstance(e, Exception):
                 raise
+            return
+        checked = check_short_batch(outs)
+        if checked is not None:
+            for w, a in zip(items, checked):
+                _settle(w.future, result=a)
             return
         for w, out in zip(items, outs):
             try:

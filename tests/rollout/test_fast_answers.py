@@ -1,5 +1,5 @@
 """``rollout.fast_answers``: batch answers read with simdjson give exactly what orjson and
-``transport.check_answer`` give, or nothing (the caller then takes that path).
+``answers.check_answer`` give, or nothing (the caller then takes that path).
 
 The bodies are real JSON bytes as engines write them (orjson, and the stdlib's spaced form with
 its NaN literals); the transport test serves them over real HTTP on loopback (an aiohttp server in
@@ -20,8 +20,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from headrace.rollout import fast_answers
-from headrace.rollout.transport import (Answer, Retryable, Transport, _fast_batch, check_answer, entries_of,
-                                       logprobs_of)
+from headrace.rollout.answers import Answer, Retryable, check_answer, entries_of, logprobs_of
+from headrace.rollout.transport import Transport, _fast_batch
 from tests.procs import free_port
 
 pytestmark = pytest.mark.skipif(not fast_answers.available(), reason="pysimdjson has no wheel for this platform")

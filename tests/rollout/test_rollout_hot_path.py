@@ -1,5 +1,5 @@
 """The rollout hot path without per-sample pydantic: generator output is checked as columns once
-per group (rollout/columns_push.py), engine answers with numpy (rollout/transport.check_answer).
+per group (rollout/columns_push.py), engine answers with numpy (rollout/answers.check_answer).
 
 The end-to-end test runs real processes (buffer, rollout service, reference engine) with a
 generator that breaks invariants and mutates its input: broken samples are failed with the row
@@ -16,7 +16,7 @@ import pytest
 
 from headrace.rollout.columns_push import check_outputs, copy_for_generator, encode_groups
 from headrace.rollout.loop import prompt_sample
-from headrace.rollout.transport import Retryable, check_answer, logprobs_of
+from headrace.rollout.answers import Retryable, check_answer, logprobs_of
 from headrace.shared import columns as cols
 from headrace.shared.schemas import Group, Sample
 from tests.rollout.support import generated
@@ -149,9 +149,9 @@ def _entries(draw: object, n: int) -> list:
 def _outcome(out: dict) -> object:
     import copy
 
-    from headrace.rollout import transport
+    from headrace.rollout import answers
     try:
-        a = transport.check_answer(copy.deepcopy(out), "http://e")
+        a = answers.check_answer(copy.deepcopy(out), "http://e")
     except Retryable as e:
         return ("error", str(e))
     return ("ok", a["output_ids"], repr(a["meta_info"]["output_token_logprobs"]), repr(logprobs_of(a)))
@@ -163,10 +163,10 @@ def test_short_answers_are_judged_exactly_as_the_numpy_path_judges_them(monkeypa
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from headrace.rollout import transport
+    from headrace.rollout import answers
 
     @st.composite
-    def answers(draw: st.DrawFn) -> dict:
+    def answer_dicts(draw: st.DrawFn) -> dict:
         n = draw(st.integers(0, 6))
         pool = draw(st.sampled_from([st.integers(0, 5000), st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, True]),
                                      st.sampled_from(_VALUES)]))
@@ -178,20 +178,69 @@ def test_short_answers_are_judged_exactly_as_the_numpy_path_judges_them(monkeypa
         return {"text": "", "output_ids": ids, "meta_info": {"finish_reason": {"type": "stop"},
                                                             "output_token_logprobs": lps}}
 
-    short = transport._SHORT_ANSWER
+    short = answers._SHORT_ANSWER
     seen = {"ok": 0, "error": 0}
 
     @settings(max_examples=600, deadline=None, database=None)
-    @given(answers())
+    @given(answer_dicts())
     def same(out: dict) -> None:
-        monkeypatch.setattr(transport, "_SHORT_ANSWER", short)
+        monkeypatch.setattr(answers, "_SHORT_ANSWER", short)
         fast = _outcome(out)
-        monkeypatch.setattr(transport, "_SHORT_ANSWER", -1)   # every answer through numpy
+        monkeypatch.setattr(answers, "_SHORT_ANSWER", -1)   # every answer through numpy
         assert fast == _outcome(out)
         seen[fast[0]] += 1
 
     same()
     assert seen["ok"] > 20 and seen["error"] > 20, seen   # both outcomes were exercised
+
+
+def test_a_batch_of_short_answers_checked_at_once_is_judged_as_each_alone() -> None:
+    """``answers.check_short_batch`` (a batch answer's short answers, one pass): either every
+    answer comes out as ``check_answer`` makes it, or None with the answers untouched (each then
+    goes through ``check_answer``, which words the errors)."""
+    import copy
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from headrace.rollout import answers
+
+    @st.composite
+    def batches(draw: st.DrawFn) -> list:
+        outs = []
+        for _ in range(draw(st.integers(1, 5))):
+            ids = draw(st.lists(st.integers(0, 5000), min_size=0 if draw(st.integers(0, 9)) == 0 else 1, max_size=6))
+            lps = [[draw(st.floats(-1e6, 0.0)), t, None] for t in ids]
+            if ids and draw(st.integers(0, 9)) == 0:   # now and then one bad value somewhere
+                k = draw(st.integers(0, len(ids) - 1))
+                if draw(st.booleans()):
+                    ids[k] = draw(st.sampled_from([v for v in _VALUES if not isinstance(v, int) or v < 0 or v >= 2**31]))
+                else:
+                    lps[k] = draw(st.sampled_from([[5e-7, ids[k], None], [0.5, ids[k], None], [None, ids[k], None], "x",
+                                                   [float("-inf"), ids[k], None]]))
+            fr = draw(st.sampled_from([{"type": "length"}, "stop", {"type": "abort"}] * 5 + [{"type": "bogus"}]))
+            outs.append({"text": "t", "output_ids": ids, "meta_info": {"finish_reason": fr, "output_token_logprobs": lps}})
+        return outs
+
+    seen = {"batch": 0, "alone": 0}
+
+    @settings(max_examples=400, deadline=None, database=None)
+    @given(batches())
+    def same(outs: list) -> None:
+        given_outs = copy.deepcopy(outs)
+        got = answers.check_short_batch(outs)
+        if got is None:
+            assert outs == given_outs   # nothing changed: each goes through check_answer
+            seen["alone"] += 1
+            return
+        seen["batch"] += 1
+        for a, out in zip(got, given_outs):
+            want = answers.check_answer(out, "http://e")
+            assert (type(a), dict(a), a.entries, a.logprobs, a.arrays) == (type(want), dict(want), want.entries,
+                                                                           want.logprobs, want.arrays)
+
+    same()
+    assert seen["batch"] > 20 and seen["alone"] > 20, seen
 
 
 def _group(gid: str, n: int = 3, **kw: object) -> Group:

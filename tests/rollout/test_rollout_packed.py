@@ -1,4 +1,4 @@
-"""The push reuses the arrays ``transport.check_answer`` made (``columns_push.Packed``), and only
+"""The push reuses the arrays ``answers.check_answer`` made (``columns_push.Packed``), and only
 while the samples' lists still hold exactly those values.
 
 The in-process tests run the real functions of the default generator's group path on SGLang-shape
@@ -28,7 +28,7 @@ from headrace.shared.schemas import Group
 from tests.rollout.support import generated
 
 PROMPT = [11, 12, 13, 14, 15]
-N_NEW = 200   # above transport._SHORT_ANSWER: the numpy check runs and keeps its arrays
+N_NEW = 200   # above answers._SHORT_ANSWER: the numpy check runs and keeps its arrays
 
 
 def _answer(seed: int) -> dict[str, Any]:
