@@ -8,7 +8,9 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
   (round-robin, all concurrently, return_logprob on), nothing else: one request per sequence, and
   ``direct_batched``: batch requests of ``--direct-batch`` sequences (what the service's
   transport sends when it coalesces); through the service's own engine client
-  (``shared.aio.AioHTTP``: aiohttp, orjson), so that only the service differs;
+  (``shared.eager_http``, orjson; until 5 Dec, seventeenth session, ``shared.aio.AioHTTP``), its
+  connections kept from round to round as the service keeps its own (until then each round
+  opened new ones in a new event loop, inside the timed part), so that only the service differs;
 - service: ``headrace rollout serve`` attached to the same engines (backend external, on_demand)
   answers ``POST /v1/generate_batch`` — routing, logprobs, reward (exact_match), group validation
   and the push to the buffer included.
@@ -16,8 +18,11 @@ alternates two ways of producing the same work (``--groups`` groups x ``--n`` sa
     python bench/rollout_bench.py [--preset tiny-qwen2] [--engines 1] [--groups 32] [--n 8] [--new-tokens 16]
 
 Prints groups/s of each (medians over ``--rounds``), the ratio service / the faster direct way and
-the overhead (target: overhead <= 10%), and the service against single requests. The service shares the CPU with the engines here; on 2 cores that
-contention is part of what is measured. The service is called through the trainer's own client
+the overhead (target: overhead <= 10%), the service against single requests, and the CPU each
+process used in each kind of round (``cpu_ms_per_round``: buffer, engines, rollout service, this
+process; from ``/proc/<pid>/task/*/schedstat``, nanoseconds): CPU is far less noisy here than
+wall time, so a change to the service is best judged by its CPU per round first. The service
+shares the CPU with the engines here; on 2 cores that contention is part of what is measured. The service is called through the trainer's own client
 (``RolloutClient``, one connection for every round); before 3 Dec each round made a new httpx
 client, 50-80 ms of this process's time charged to the service alone.
 
@@ -113,35 +118,48 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import orjson  # noqa: E402
 import yaml  # noqa: E402
 
-from headrace.shared.aio import AioHTTP  # noqa: E402
+from headrace.shared.eager_http import EagerHTTP  # noqa: E402
 from headrace.shared.rollout_client import RolloutClient  # noqa: E402
 from tests.procs import Proc, child_env, free_port, headrace_cmd  # noqa: E402
 
 
-async def direct_round(urls: list[str], prompts: list[list[int]], n: int, sampling: dict, batch: int = 1) -> float:
-    """Every sequence straight to the engines, all at once: one request each (``batch`` 1) or in
-    batch requests of ``batch`` sequences (what the service's transport does with coalescing)."""
-    # the service's own HTTP client for engines (rollout/transport.py: aiohttp, orjson), so only
-    # the service differs
-    seqs = [p for p in prompts for _ in range(n)]
-    chunks = [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
-    wire = AioHTTP()
-    wire.session()
+class Direct:
+    """Straight to the engines, with the service's own HTTP client for them (rollout/transport.py:
+    ``shared.eager_http``, orjson), its connections kept from round to round as the service keeps
+    its own: only the service differs. One event loop for every round."""
 
-    async def one(i: int, chunk: list[list[int]]) -> None:
-        r = await wire.post_json(f"{urls[i % len(urls)]}/generate", {
-            "input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling, "return_logprob": True}, 600.0)
-        assert r.status_code == 200, r.text[:500]
-        outs = orjson.loads(r.content)
-        for out in outs if batch > 1 else [outs]:
-            assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.loop = asyncio.new_event_loop()
+        self.clients = [EagerHTTP(u) for u in urls]
 
-    try:
+    def round(self, prompts: list[list[int]], n: int, sampling: dict, batch: int = 1) -> float:
+        """Every sequence at once: one request each (``batch`` 1) or in batch requests of ``batch``
+        sequences (what the service's transport does with coalescing); seconds until all answered."""
+        return self.loop.run_until_complete(self._round(prompts, n, sampling, batch))
+
+    async def _round(self, prompts: list[list[int]], n: int, sampling: dict, batch: int) -> float:
+        seqs = [p for p in prompts for _ in range(n)]
+        chunks = [seqs[i:i + batch] for i in range(0, len(seqs), batch)]
+
+        async def one(i: int, chunk: list[list[int]]) -> None:
+            body = orjson.dumps({"input_ids": chunk if batch > 1 else chunk[0], "sampling_params": sampling,
+                                 "return_logprob": True})
+            r = await self.clients[i % len(self.clients)].post("/generate", body, {"content-type": "application/json"},
+                                                               600.0)
+            assert r.status_code == 200, r.text[:500]
+            outs = orjson.loads(r.content)
+            for out in outs if batch > 1 else [outs]:
+                assert len(out["output_ids"]) == sampling["max_new_tokens"], out["meta_info"]
+
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i, c) for i, c in enumerate(chunks)))
         return time.perf_counter() - t0
-    finally:
-        await wire.close()
+
+    def close(self) -> None:
+        for c in self.clients:
+            self.loop.run_until_complete(c.close())
+        self.loop.close()
 
 
 def service_round(client: RolloutClient, groups: int, version: int | None) -> float:
@@ -157,11 +175,17 @@ def service_round(client: RolloutClient, groups: int, version: int | None) -> fl
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
+    """CPU seconds a process has run, all its threads (Linux ``/proc/<pid>/task/*/schedstat``:
+    nanoseconds; ``/proc/<pid>/stat`` counts 10 ms ticks, too coarse for a ~100 ms round)."""
     import os
 
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            total += int(Path(f"/proc/{pid}/task/{task}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):   # a thread that ended meanwhile
+            pass
+    return total / 1e9
 
 
 def main() -> None:
@@ -228,8 +252,9 @@ def main() -> None:
         rollout = RolloutClient(url, timeout=900.0)
 
         # warm-up every path (engine caches, connection pools, first-call imports)
-        asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling))
-        asyncio.run(direct_round(urls, prompts[: args.groups], args.n, sampling, args.direct_batch))
+        direct = Direct(urls)
+        direct.round(prompts[: args.groups], args.n, sampling)
+        direct.round(prompts[: args.groups], args.n, sampling, args.direct_batch)
         version = None if args.ask_engines else 0   # what the engines serve: the trainer knows it
         # this process's heap so far (torch, transformers, the tokenizer) out of the cyclic GC's walks,
         # as the services do (shared.serving): a full collection here took ~100 ms, in whichever round
@@ -237,24 +262,26 @@ def main() -> None:
         gc.freeze()
         service_round(rollout, args.groups, version)
         times: dict[str, list[float]] = {"direct": [], "direct_batched": [], "service": []}
-        cpu = dict.fromkeys(times, 0.0)
+        # CPU of every process in each kind of round: buffer, engines, rollout service, this process
+        cpu = {k: [0.0] * (len(procs) + 1) for k in times}
         offset = args.groups
         order = list(times)
         for r in range(args.rounds):  # rotate the order so drifting background load hits all alike
             for which in order[r % 3:] + order[:r % 3]:
+                c0 = [cpu_seconds(p.pid) for p in procs] + [time.process_time()]
                 if which == "service":
-                    c0 = cpu_seconds(svc.pid)
                     times[which].append(service_round(rollout, args.groups, version))
-                    cpu[which] += cpu_seconds(svc.pid) - c0
                 else:
-                    c0 = time.process_time()
                     batch = args.direct_batch if which == "direct_batched" else 1
-                    times[which].append(asyncio.run(direct_round(urls, prompts[offset: offset + args.groups],
-                                                                 args.n, sampling, batch)))
-                    cpu[which] += time.process_time() - c0
+                    times[which].append(direct.round(prompts[offset: offset + args.groups], args.n, sampling, batch))
                     offset += args.groups
+                c1 = [cpu_seconds(p.pid) for p in procs] + [time.process_time()]
+                cpu[which] = [a + b1 - b0 for a, b0, b1 in zip(cpu[which], c0, c1)]
             print(f"round {r}: " + ", ".join(f"{k} {args.groups / v[-1]:.2f}" for k, v in times.items())
                   + " groups/s", flush=True)
+        per_round = {k: [round(1000 * x / args.rounds, 1) for x in v] for k, v in cpu.items()}
+        cpu_ms = {k: {"buffer": v[0], "engines": v[1:-2], "service": v[-2], "this_process": v[-1]}
+                  for k, v in per_round.items()}
         rate = {k: args.groups / statistics.median(v) for k, v in times.items()}
         d = max(rate["direct"], rate["direct_batched"])    # the better way of calling the engines directly
         s = rate["service"]
@@ -265,9 +292,12 @@ def main() -> None:
                   "service_groups_per_s": round(s, 3), "ratio": round(s / d, 3),
                   "overhead": round(1 - s / d, 3), "target_overhead": 0.10, "meets_target": 1 - s / d <= 0.10,
                   "ratio_vs_single_requests": round(s / rate["direct"], 3),
-                  "client_cpu_s_per_group": {k: round(v / (args.groups * args.rounds), 4) for k, v in cpu.items()}}
+                  "client_cpu_s_per_group": {k: round(v[-2 if k == "service" else -1] / (args.groups * args.rounds), 4)
+                                             for k, v in cpu.items()},
+                  "cpu_ms_per_round": cpu_ms}
         print(json.dumps(result))
         rollout.close()
+        direct.close()
     finally:
         for p in reversed(procs):
             p.stop()
