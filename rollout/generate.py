@@ -79,12 +79,12 @@ class Gate:
     async def wait_open(self) -> None:
         await self._open.wait()
 
-    def enter(self) -> None:
-        self.in_flight += 1
+    def enter(self, k: int = 1) -> None:
+        self.in_flight += k
         self._idle.clear()
 
-    def leave(self) -> None:
-        self.in_flight -= 1
+    def leave(self, k: int = 1) -> None:
+        self.in_flight -= k
         if self.in_flight == 0:
             self._idle.set()
 
@@ -181,14 +181,12 @@ class EngineClient:
         version, epoch, k = self.gate.version, self.gate.abort_epoch, len(ctxs)
         params = dict(sampling, max_new_tokens=int(sampling.get("max_new_tokens", 128)))
         engine.in_flight += k
-        for _ in range(k):
-            self.gate.enter()
+        self.gate.enter(k)
         try:
             outs = await self.transport.submit_group(engine.url, input_ids, params, k, self.fleet.adapter, compact=True)
         finally:
             engine.in_flight -= k
-            for _ in range(k):
-                self.gate.leave()
+            self.gate.leave(k)
         lost = next((o for o in outs if isinstance(o, httpx.TransportError)), None)
         if lost is not None:
             self._lost(engine, lost)

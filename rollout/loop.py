@@ -47,7 +47,7 @@ from headrace.rollout.columns_push import Packed, check_outputs, copy_for_genera
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields
-from headrace.rollout.prompts import prompt_ids, prompt_ids_many
+from headrace.rollout.prompts import prompt_ids, prompt_ids_many, prompt_sample
 from headrace.rollout.pusher import Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
@@ -62,18 +62,6 @@ REWARD_SLICE_S = 0.002  # plain (sync) rewards run inline; after this long the l
 # (context, the prompt sample, what the generator returned, whether those samples' numeric lists
 # are valid by construction: the default generator's, from checked engine answers)
 Made = tuple[RolloutContext, Sample, list[Sample], bool]
-
-
-def prompt_sample(**fields: Any) -> Sample:
-    """The sample a generator receives: prompt tokens, empty response, no reward yet.
-
-    Built without validation because its reward is legitimately unset until it is scored; every
-    sample a generator returns is checked (``columns_push.check_outputs``) before it goes anywhere.
-    """
-    defaults = dict(index=0, response_length=0, loss_mask=[], rollout_logprobs=None, reward=None,
-                    status=SampleStatus.completed.value, weight_version=0, prompt=None, response=None,
-                    label=None, metadata={})  # (pydantic's get_default inspects signatures: 3 ms a call)
-    return Sample.model_construct(**{**defaults, **fields})
 
 
 def failed(sample: Sample, why: str) -> Sample:
@@ -186,7 +174,9 @@ class RolloutLoop:
                 if isinstance(a, BaseException):
                     raise a
                 own = own_free_form(first)
-                s = first.model_copy(update={**ids, **own, **turn_fields(first, a, own["metadata"])})
+                v = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                s = first.model_copy(update={**ids, **own, **turn_fields(first, a, own["metadata"]),
+                                             "weight_version": v})
                 made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
                 if getattr(a, "arrays", None) is not None:
                     packed.add(i, a["output_ids"], a.logprobs, a.arrays)
@@ -217,7 +207,9 @@ class RolloutLoop:
         since = time.perf_counter()
         try:
             for (ctx, _, _), s in zip(flat, samples):
-                s.weight_version = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                v = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                if s.weight_version != v:   # (the default generator's group samples are built with it)
+                    s.weight_version = v
                 if s.status != FAILED:
                     pending = score_now(self.reward_fn, ctx, s)
                     if pending is not None:   # an async reward: those of the group run concurrently

@@ -1,4 +1,4 @@
-"""A prompt item's token ids, one at a time or a round's at once.
+"""A prompt item's token ids, one at a time or a round's at once, and the sample made of them.
 
 Guarantees:
 - ``prompt_ids(tokenizer, item, chat)`` is the prompt's ids and the text they encode: chat messages
@@ -10,7 +10,9 @@ Guarantees:
   ~0.33 ms together against ~0.6 ms one by one: transformers' fixed cost per call dominates).
   It is best effort: whatever it cannot do as one call (an item whose template or tokenization
   raises, a tokenizer that does not take a list) is left out, and ``prompt_ids`` then decides that
-  item alone, with its own error.
+  item alone, with its own error;
+- ``prompt_sample(**fields)`` is the sample a generator receives (prompt tokens, no response, no
+  reward yet), built without validation: every sample a generator returns is checked later.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from headrace.rollout.data import PromptItem
+from headrace.shared.schemas import Sample, SampleStatus
 
-__all__ = ["prompt_ids", "prompt_ids_many"]
+__all__ = ["prompt_ids", "prompt_ids_many", "prompt_sample"]
 
 
 def _text(tokenizer: Any, item: PromptItem, chat: bool) -> tuple[str, bool]:
@@ -63,3 +66,15 @@ def prompt_ids_many(tokenizer: Any, items: list[PromptItem], chat: bool) -> dict
         if len(ids) == len(batch):
             out.update((key, (list(x), text)) for (key, text), x in zip(batch, ids))
     return out
+
+
+def prompt_sample(**fields: Any) -> Sample:
+    """The sample a generator receives: prompt tokens, empty response, no reward yet.
+
+    Built without validation because its reward is legitimately unset until it is scored; every
+    sample a generator returns is checked (``columns_push.check_outputs``) before it goes anywhere.
+    """
+    defaults = dict(index=0, response_length=0, loss_mask=[], rollout_logprobs=None, reward=None,
+                    status=SampleStatus.completed.value, weight_version=0, prompt=None, response=None,
+                    label=None, metadata={})  # (pydantic's get_default inspects signatures: 3 ms a call)
+    return Sample.model_construct(**{**defaults, **fields})

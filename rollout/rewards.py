@@ -144,6 +144,9 @@ def score_now(fn: RewardFn, ctx: "RolloutContext", sample: Sample) -> Awaitable[
     except Exception as e:  # noqa: BLE001 - a reward fault fails the sample, never the loop
         _reward_failed(ctx, sample, e)
         return None
+    if type(out) is float and -math.inf < out < math.inf:   # the usual answer: what _apply_reward makes of it
+        sample.reward = out
+        return None
     if inspect.isawaitable(out):
         return out
     _apply_reward(out, ctx, sample)

@@ -14,7 +14,7 @@ import reasoning_gym
 
 from headrace.rollout.generate import RolloutContext
 from headrace.rollout.rewards import BUILTIN_REWARDS, load_reward, score_sample
-from headrace.rollout.loop import prompt_sample
+from headrace.rollout.prompts import prompt_sample
 from headrace.shared.config import RolloutConfig
 from headrace.shared.plugins import PluginError
 from tests.procs import Proc, child_env, free_port

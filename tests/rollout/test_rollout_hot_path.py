@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from headrace.rollout.columns_push import check_outputs, copy_for_generator, encode_groups
-from headrace.rollout.loop import prompt_sample
+from headrace.rollout.prompts import prompt_sample
 from headrace.rollout.answers import Retryable, check_answer, logprobs_of
 from headrace.shared import columns as cols
 from headrace.shared.schemas import Group, Sample

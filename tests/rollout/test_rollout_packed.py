@@ -21,7 +21,7 @@ import pytest
 
 from headrace.rollout.columns_push import Packed, encode_groups
 from headrace.rollout.generate import EngineClient, Gate, RolloutContext, turn_fields
-from headrace.rollout.loop import prompt_sample
+from headrace.rollout.prompts import prompt_sample
 from headrace.rollout.transport import check_answer
 from headrace.shared import columns as cols
 from headrace.shared.schemas import Group
