@@ -398,18 +398,23 @@ def validate(cols: Columns) -> None:
     with np.errstate(invalid="ignore"):
         bad |= np.isinf(cols.reward) | (np.isnan(cols.reward) & ~failed)
     bad |= (cols.group_index < 0) | (cols.weight_version < 0)
-    for j in range(S):
-        if not bad[j] and not _plain_sample(cols, j):
+    for j, plain in enumerate(_plain_samples(cols)):
+        if not plain:
             bad[j] = True
     sizes = np.diff(cols.sample_offsets)
     group_of = np.repeat(np.arange(G), sizes)
     bad_groups = set(group_of[bad | column_only].tolist()) | set(np.flatnonzero((sizes < 1) | (sizes > MAX_GROUP_SIZE)).tolist())
+    # an index repeated within a group: equal neighbours once sorted by (group, index)
+    order = np.lexsort((cols.group_index, group_of))
+    repeated = (np.diff(group_of[order]) == 0) & (np.diff(cols.group_index[order]) == 0)
+    bad_groups.update(group_of[order][1:][repeated].tolist())
+    offsets = cols.sample_offsets.tolist()
     for g in range(G):
         gid = cols.group_id[g]
         if not (isinstance(gid, str) and 1 <= len(gid) <= 512 and isinstance(cols.group_metadata[g], dict)):
             bad_groups.add(g)
-        s0, s1 = cols.sample_offsets[g], cols.sample_offsets[g + 1]
-        if len(set(cols.uid[s0:s1])) != s1 - s0 or len(np.unique(cols.group_index[s0:s1])) != s1 - s0:
+        s0, s1 = offsets[g], offsets[g + 1]
+        if len(set(cols.uid[s0:s1])) != s1 - s0:
             bad_groups.add(g)
     if not bad_groups:
         return
@@ -423,22 +428,31 @@ def _owners(offsets: np.ndarray, flags: np.ndarray) -> np.ndarray:
     return np.searchsorted(offsets, hits, side="right") - 1 if hits.size else hits
 
 
-def _plain_sample(cols: Columns, j: int) -> bool:
-    u, p, r = cols.uid[j], cols.prompt[j], cols.response[j]
-    if not (isinstance(u, str) and 1 <= len(u) <= 512) or cols.status[j] not in _STATUSES:
-        return False
-    if not (p is None or isinstance(p, str)) or not (r is None or isinstance(r, str)):
-        return False
-    if not isinstance(cols.metadata[j], dict):
-        return False
-    if cols.label[j] is None and not cols.metadata[j]:
-        return True
-    try:
-        plain_json(cols.label[j])
-        plain_json(cols.metadata[j])
-    except ValueError:
-        return False
-    return True
+def _plain_samples(cols: Columns) -> list[bool]:
+    """Whether each sample's per-sample values are what the row schema takes: uid, status, prompt,
+    response, and plain-JSON label and metadata (scalars and flat maps of scalars pass without the
+    walk of ``plain_json``)."""
+    out = []
+    for u, st, p, r, label, meta in zip(cols.uid, cols.status, cols.prompt, cols.response, cols.label, cols.metadata):
+        if not (isinstance(u, str) and 1 <= len(u) <= 512 and st in _STATUSES and (p is None or isinstance(p, str))
+                and (r is None or isinstance(r, str)) and isinstance(meta, dict)):
+            out.append(False)
+        elif _scalar(label) and all(type(k) is str and _scalar(v) for k, v in meta.items()):
+            out.append(True)
+        else:
+            try:
+                plain_json(label)
+                plain_json(meta)
+                out.append(True)
+            except ValueError:
+                out.append(False)
+    return out
+
+
+def _scalar(v: Any) -> bool:
+    """A JSON scalar the row schema takes as it is (an int within the signed 64-bit range)."""
+    t = type(v)
+    return v is None or t is str or t is float or t is bool or (t is int and -(2**63) <= v < 2**63)
 
 
 def _row_message(cols: Columns, g: int, column_only: np.ndarray) -> str:
