@@ -24,6 +24,8 @@ Guarantees of ``EagerHTTP(base_url, headers).post(path, body, headers, timeout_s
   idle ones after 5 s); the headers given at construction go with every request;
 - cancelling the future closes its connection (the server sees its client go away, as with
   aiohttp); ``close()`` closes every connection and cancels the futures of requests in flight.
+A body of known length is kept as the pieces read and joined once (growing one buffer by every
+piece cost the rollout service ~0.3 ms of CPU per 8 x 2,048-token group in ``bench/fleet_sim.py``).
 Plain ``http://`` only (the run's services on loopback or a private network), no compression
 asked for (none is then sent), no body read to the connection's close (uvicorn, SGLang and the
 reference engine frame every answer by length).
@@ -58,6 +60,8 @@ class _Conn(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.head: tuple[int, dict[str, str], int] | None = None   # status, headers, body length (-1: chunked)
         self.body = bytearray()   # a chunked answer's body so far
+        self.parts: list[bytes] = []   # a body of known length: the pieces received (one copy when joined)
+        self.got = 0
         self.idle_since = 0.0
 
     # ---- asyncio.Protocol ----
@@ -70,7 +74,11 @@ class _Conn(asyncio.Protocol):
             self._drop(httpx.ReadError("bytes from the server with no request open"))
             return
         self.retry = None   # the answer has begun: this request is not sent again
-        self.buf += data
+        if self.head is not None and self.head[2] >= 0:   # a body of known length: its pieces, joined once
+            self.parts.append(data)
+            self.got += len(data)
+        else:
+            self.buf += data
         if self.head is None:
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
@@ -83,6 +91,9 @@ class _Conn(asyncio.Protocol):
                 self._drop(httpx.ReadError(f"unreadable answer: {e}"))
                 return
             del self.buf[:end + 4]
+            if self.head[2] >= 0:
+                self.parts, self.got = [bytes(self.buf)], len(self.buf)
+                self.buf.clear()
         status, headers, length = self.head
         if length < 0:
             try:
@@ -92,17 +103,20 @@ class _Conn(asyncio.Protocol):
                 return
             if body is None:
                 return
+            extra = len(self.buf)
         else:
-            if len(self.buf) < length:
+            if self.got < length:
                 return
-            body = bytes(self.buf)
-        if len(self.buf) > max(length, 0):
-            self._drop(httpx.ReadError(f"{len(self.buf) - max(length, 0)} bytes after the answer"))
+            extra = self.got - length
+            body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        if extra:
+            self._drop(httpx.ReadError(f"{extra} bytes after the answer"))
             return
         reply = Reply(status, body, headers)
         waiter, self.waiter, self.head = self.waiter, None, None
         self.buf.clear()
         self.body.clear()
+        self.parts, self.got = [], 0
         self._cancel_timer()
         if headers.get("connection", "").lower() == "close":
             self._close()

@@ -126,6 +126,23 @@ def test_any_status_is_a_reply_and_chunked_answers_are_read() -> None:
     server.close()
 
 
+def test_a_large_answer_arriving_in_many_pieces_is_read_whole_and_the_connection_kept() -> None:
+    big = bytes(range(256)) * (3 * 4096 + 7)   # ~3 MB: many reads of the socket
+    server = RawServer(lambda n, i, req: ok(big) if i == 0 else ok(b"[]"))
+
+    async def main() -> None:
+        client = EagerHTTP(server.url)
+        first = await client.post("/generate", b"{}")
+        assert first.status_code == 200 and first.content == big
+        second = await client.post("/generate", b"{}")   # the same connection: nothing of the first left over
+        assert (second.status_code, second.content) == (200, b"[]")
+        await client.close()
+
+    run(main)
+    assert [len(r) for r in server.requests] == [2]
+    server.close()
+
+
 def test_a_kept_alive_connection_the_server_closed_is_replaced_without_an_error() -> None:
     # the server closes every connection after answering, without saying so (no connection: close)
     def script(n: int, i: int, req: bytes) -> bytes | None:
