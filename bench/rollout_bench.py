@@ -99,6 +99,18 @@ all three against none (with --direct-batch 32): 0.890 against 0.879 (6 pairs, 4
 and dropped: httptools (0.884 against 0.887), the engines' /generate through eager_http (0.878
 against 0.890: no gain). Single runs range ~0.86-0.93 with the same code: the target (0.90) is
 still missed in the median.
+
+5 Dec, seventeenth session. The direct paths now use the service's engine client (which became
+``shared.eager_http``: by this script's CPU meter 11.2-12.0 ms of service CPU a round against
+12.4-13.4 with aiohttp, so the ratio's noise had hidden it) and keep their connections across
+rounds; before, each direct round opened new aiohttp connections in a new event loop inside its
+timed part, a handicap the service never had. The same code measures ~0.015 lower against this
+stricter baseline: eight runs 0.868-0.912, median 0.8845; the previous script against it: median
+0.899 of six (against the sixteenth session's code 0.8845). Traced on one clock: the engines' last
+request is read ~5 ms after the call (direct: 1.5 ms), then the engines hold 20 ms for more and run
+~62 ms alike; from their last answer to the client's answer ~11 ms (direct: 0.6 ms), the service
+building the groups at ~0.23 ms each as the answers come, the last POST ~1.2 ms, the answer to the
+client ~0.9 ms. bench/RESULTS.md has the changes and what was dropped.
 """
 
 from __future__ import annotations
