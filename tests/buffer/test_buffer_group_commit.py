@@ -91,3 +91,29 @@ def test_bad_durability_is_refused_naming_the_key(tmp_path: Path) -> None:
     r = subprocess.run(headrace_cmd("buffer", "serve", "--durability", "sometimes"), capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "buffer.durability: Input should be 'process_crash' or 'power_loss'" in r.stderr
+
+
+@pytest.mark.parametrize("memory", [True, False])
+def test_an_in_memory_store_is_called_on_the_event_loop_a_durable_one_on_its_thread(tmp_path: Path,
+                                                                                      memory: bool) -> None:
+    import asyncio
+
+    from headrace.buffer.app import BufferService
+    from headrace.shared.config import BufferConfig
+
+    async def main() -> None:
+        svc = BufferService(BufferConfig(memory=memory, db=None if memory else str(tmp_path / "b.sqlite")))
+        await svc.start()
+        try:
+            here = threading.get_ident()
+            assert (await svc.db(threading.get_ident) == here) is memory
+            # a request's groups are committed and answered the same way either way
+            got = await svc.post([row("a"), row("b")])
+            assert (got.accepted, got.duplicates) == (2, 0)
+            again = await asyncio.gather(svc.post([row("b")]), svc.post([row("c")]))
+            assert [(r.accepted, r.duplicates) for r in again] == [(0, 1), (1, 0)]
+            assert svc.stats()["queued"] == 3
+        finally:
+            await svc.stop()
+
+    asyncio.run(main())
