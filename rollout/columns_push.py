@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from headrace.shared import columns as cols
 from headrace.shared.schemas import MAX_TOKEN_ID, Group, Sample, SampleStatus, plain_json
 
-__all__ = ["Packed", "check_outputs", "copy_for_generator", "encode_groups", "own_free_form", "revalidate"]
+__all__ = ["Packed", "check_outputs", "clone_sample", "copy_for_generator", "encode_groups", "own_free_form", "revalidate"]
 
 _STATUSES = frozenset(s.value for s in SampleStatus)
 _SCALARS = (type(None), bool, int, float, str)
@@ -52,10 +52,29 @@ _SCALARS = (type(None), bool, int, float, str)
 
 def copy_for_generator(base: Sample) -> Sample:
     """``base`` with its own mutable fields (see the module docstring)."""
-    return base.model_copy(update={
+    return clone_sample(base, {
         "tokens": list(base.tokens), "loss_mask": list(base.loss_mask),
         "rollout_logprobs": None if base.rollout_logprobs is None else list(base.rollout_logprobs),
         **own_free_form(base)})
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def clone_sample(proto: Sample, fields: dict[str, Any]) -> Sample:
+    """``proto.model_copy(update=fields)``: the same field values and fields set, not validated,
+    without pydantic's copy machinery (~1 us less a sample, 8 in a group's tail on the hot path)."""
+    if proto.__pydantic_extra__ is not None or getattr(proto, "__pydantic_private__", None) is not None:
+        return proto.model_copy(update=fields)
+    s = _new(type(proto))
+    d = proto.__dict__.copy()
+    d.update(fields)
+    _set(s, "__dict__", d)
+    _set(s, "__pydantic_fields_set__", proto.__pydantic_fields_set__ | fields.keys())
+    _set(s, "__pydantic_extra__", None)
+    _set(s, "__pydantic_private__", None)
+    return s
 
 
 def own_free_form(base: Sample) -> dict[str, Any]:

@@ -43,7 +43,8 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
-from headrace.rollout.columns_push import Packed, check_outputs, copy_for_generator, own_free_form, short
+from headrace.rollout.columns_push import (Packed, check_outputs, clone_sample, copy_for_generator, own_free_form,
+                                           short)
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields
@@ -174,9 +175,11 @@ class RolloutLoop:
                 if isinstance(a, BaseException):
                     raise a
                 own = own_free_form(first)
-                v = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-                s = first.model_copy(update={**ids, **own, **turn_fields(first, a, own["metadata"]),
-                                             "weight_version": v})
+                fields = turn_fields(first, a, own["metadata"])   # (its metadata, if any, wins: a resume count)
+                fields.setdefault("metadata", own["metadata"])
+                fields["label"], fields["uid"], fields["index"] = own["label"], ids["uid"], i
+                fields["weight_version"] = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                s = clone_sample(first, fields)
                 made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
                 if getattr(a, "arrays", None) is not None:
                     packed.add(i, a["output_ids"], a.logprobs, a.arrays)

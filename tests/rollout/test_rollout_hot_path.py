@@ -91,6 +91,28 @@ def test_the_generators_copy_shares_nothing_mutable() -> None:
     assert base.metadata == {"m": {"x": 1}, "k": 2}
 
 
+def test_a_cloned_sample_is_what_a_model_copy_with_the_update_gives() -> None:
+    from headrace.rollout.columns_push import clone_sample
+
+    base = prompt_sample(uid="g-0", group_id="g", tokens=[3, 4], prompt="p", label="7", metadata={"k": 1})
+    update = {"uid": "g-3", "index": 3, "tokens": [3, 4, 9], "loss_mask": [1], "rollout_logprobs": [-0.5],
+              "response_length": 1, "response": "x", "status": "truncated", "metadata": {"k": 1}}
+    want, got = base.model_copy(update=update), clone_sample(base, update)
+    assert type(got) is Sample and got.model_dump() == want.model_dump()
+    assert got.model_fields_set == want.model_fields_set and got.__pydantic_extra__ is None
+    assert got.__pydantic_private__ is None and got == want
+    got.tokens.append(5)
+    got.index = 4
+    assert base.tokens == [3, 4] and base.index == 0 and base.uid == "g-0"
+    assert Sample.model_validate({**got.model_dump(), "reward": 1.0}).index == 4
+    # a model that carries private state is copied by pydantic itself, with it
+    class Odd(Sample):
+        model_config = {"extra": "allow"}
+    odd = Odd.model_construct(**base.model_dump())
+    object.__setattr__(odd, "__pydantic_extra__", {"note": 1})
+    assert clone_sample(odd, {"index": 2}).__pydantic_extra__ == {"note": 1}
+
+
 def test_an_appended_turn_is_new_values_over_the_metadata_the_sample_will_own() -> None:
     """``turn_fields`` (the group path's one copy per sample, and ``append_turn``): nothing of the
     prompt sample changes, and a resumed answer's count goes onto the metadata copy given."""
