@@ -30,6 +30,7 @@ Guarantees of ``ctx.generate(input_ids, sampling)``:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -40,8 +41,8 @@ from headrace.rollout.transport import Transport, one_sequence
 from headrace.shared.config import RolloutConfig
 from headrace.shared.schemas import Sample, SampleStatus
 
-__all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "single_turn",
-           "turn_fields"]
+__all__ = ["EngineError", "Gate", "EngineClient", "RolloutContext", "append_turn", "append_tokens", "check_generator",
+           "single_turn", "turn_fields", "typename"]
 
 if TYPE_CHECKING:
     from headrace.rollout.fleet import Engine, Fleet
@@ -383,3 +384,17 @@ def append_tokens(sample: Sample, ids: list[int], text: str = "") -> Sample:
 async def single_turn(ctx: RolloutContext, sample: Sample, sampling: dict[str, Any]) -> Sample:
     """The default generator: one /generate call on the prompt tokens."""
     return append_turn(sample, await ctx.generate(sample.tokens, sampling))
+
+
+def typename(x: Any) -> str:
+    """``x``'s type in words for an error message (a list names the types of its items)."""
+    if isinstance(x, list):
+        return "list of " + ", ".join(sorted({type(v).__name__ for v in x}) or {"nothing"})
+    return type(x).__name__
+
+
+def check_generator(fn: Any, spec: str) -> None:
+    """A generator plugin must be an ``async def`` (the contract in the module docstring)."""
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.generate {spec!r}: must be an async function "
+                         "(async def generate(ctx, sample, sampling) -> Sample | list[Sample])")

@@ -14,26 +14,31 @@ Guarantees:
   ``http://``; when it fails short of a final answer (429, 5xx, a lost connection) the retrying
   ``post_columns`` takes over. A final answer (422, 413, 401, ...) is handled as above.
 - At most ``MAX_IN_FLIGHT`` batches are posted at once; what is queued meanwhile goes as the next
-  batch. (With one post at a time, the first group of a step went alone and the rest of the step,
-  finished a moment later, waited for that round trip: ~70 ms from the engines' last answer to
-  the end of a 32-group ``generate_batch`` on the 2-core machine.)
-- Once ``eager_groups`` groups are queued and a post may start, ``push`` itself posts them (up to
-  ``push_batch``), the request written before it returns, instead of leaving them to the pusher's
-  task, which runs only after everything else queued for this turn of the event loop. An engine's
-  batch answer finishes 16 groups or more in one turn: the buffer now stores the first of them
-  while the service builds the rest, and the last POST of a ``generate_batch`` carries a part of
-  them, not all. Only while the buffer answers and ``post_columns_now`` is offered.
+  batch.
+- The loop's groups (``enqueue``) wait for company: a batch goes when ``push_batch`` groups are
+  queued, when the producer says nothing more is coming soon (``flush``: the loop calls it when no
+  group is left in production, e.g. at the end of a ``generate_batch`` round), or ``linger_s``
+  after the first of them was queued, whichever comes first; ``push`` (the agent gateway's) posts
+  on the pusher's next turn, with whatever is queued then. A batch that goes because it is full or
+  flushed is written before the call returns (``AsyncBufferClient.post_columns_now``) when a post
+  may start, else by the pusher's task as soon as one may.
 
-On the 2-core machine (``bench/rollout_bench.py``, 2 engines, alternating runs; medians): the
-first attempt through ``eager_http`` 0.887-0.898 against 0.874-0.879 with aiohttp; ``push``
-posting at 8 queued groups 0.888 against 0.882 (5 pairs each). Both together with
-``engines.coalesce_max`` 128: 0.89 against 0.879 (6 pairs, 4 of them better).
+On the 2-core machine (``bench/rollout_bench.py``, 2 engines, 32 groups a round) a round's groups
+now go as one POST once the last is built, where they went as 5-6 POSTs of ~8 groups while the
+engines were still rendering their answers: the buffer's CPU per POST (~0.6 ms fixed) no longer
+competes with the engines and the service for the 2 cores in that phase. Same-run A/B of
+alternate rounds (traced): the service's round 0.7 and 2.2 ms shorter (101.5 / 102.2 and 105.8 /
+108.1 ms), from the engines' first finished sequence to the answer ~1.9 ms shorter, though the
+one POST at the end adds ~1.9 ms after the last answer. Until 6 Dec (eighteenth session) ``push``
+posted at once at 8 queued groups (``EAGER_GROUPS``) and the task whatever was queued at its next
+turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -49,7 +54,7 @@ log = logging.getLogger("headrace.rollout.push")
 
 Outcome = Literal["accepted", "duplicate", "rejected"]
 MAX_IN_FLIGHT = 4
-EAGER_GROUPS = 8   # queued groups that ``push`` posts at once (0: never)
+LINGER_S = 0.05   # how long the loop's first queued group may wait for company (``enqueue``)
 _Started = tuple[bytes, "asyncio.Future[Reply]"]   # a columnar body and its first attempt, already written
 _Item = tuple[Group, "asyncio.Future[Outcome]", Packed | None]
 
@@ -61,30 +66,32 @@ class PushStats:
     rejected: int = 0
     retries: int = 0
     from_arrays: int = 0   # samples pushed from the arrays the transport checked (``columns_push.Packed``)
-    eager_posts: int = 0   # batches whose POST ``push`` wrote at once (``eager_groups``)
+    eager_posts: int = 0   # batches whose POST was written by ``enqueue`` / ``flush`` itself
+    posts: int = 0         # batches posted (first attempts)
     buffer_up: bool = True
 
 
 class Pusher:
     """One background task draining a queue of groups into the buffer."""
 
-    def __init__(self, client: AsyncBufferClient, batch: int, retry_max_s: float,
-                 eager_groups: int = EAGER_GROUPS) -> None:
+    def __init__(self, client: AsyncBufferClient, batch: int, retry_max_s: float, linger_s: float = LINGER_S) -> None:
         self.client = client
         self.batch = batch
         self.retry_max_s = retry_max_s
-        self.eager_groups = eager_groups if client.posts_now else 0
+        self.linger_s = linger_s
         self.stats = PushStats()
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._items: deque[_Item] = deque()
+        self._queued = asyncio.Event()   # set while ``_items`` holds something
+        self._kick = asyncio.Event()     # a full batch, a flush or ``push``: the task stops lingering
         self._task: asyncio.Task[None] | None = None
         self._posting: dict[asyncio.Task[None], int] = {}   # batches being posted -> their group count
         self._slot_free = asyncio.Event()
-        self._waiting = 0   # groups taken from the queue, waiting for a post to return
+        self._since = 0.0   # when the oldest queued group was queued (loop time)
 
     @property
     def pending(self) -> int:
         """Groups not yet answered by the buffer (queued or being posted)."""
-        return self._queue.qsize() + self._waiting + sum(self._posting.values())
+        return len(self._items) + sum(self._posting.values())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -92,6 +99,7 @@ class Pusher:
     async def stop(self, flush_s: float = 5.0) -> None:
         """Give queued groups ``flush_s`` to reach the buffer, then stop (unpushed groups are
         regenerated after a restart: their data slots were not marked done)."""
+        self._kick.set()
         deadline = asyncio.get_running_loop().time() + flush_s
         while self.pending and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
@@ -100,18 +108,38 @@ class Pusher:
         for t in list(self._posting):
             t.cancel()
 
+    def enqueue(self, group: Group, packed: Packed | None = None) -> "asyncio.Future[Outcome]":
+        """Queue ``group`` (``packed``: its arrays, where the loop made them); the future holds the
+        buffer's answer for it. It goes with a full batch, a ``flush`` or after ``linger_s``."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Outcome] = loop.create_future()
+        if not self._items:
+            self._since = loop.time()   # the linger counts from the first group of a batch
+        self._items.append((group, fut, packed))
+        self._queued.set()
+        if len(self._items) >= self.batch:
+            self._post_soon()
+        return fut
+
+    def flush(self) -> None:
+        """Nothing more is coming soon: post what is queued now, not after the linger."""
+        if self._items:
+            self._post_soon()
+
     async def push(self, group: Group, packed: Packed | None = None) -> Outcome:
-        """The buffer's answer for ``group`` (``packed``: its arrays, where the loop made them)."""
-        fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((group, fut, packed))
-        if 0 < self.eager_groups <= self._queue.qsize() and len(self._posting) < MAX_IN_FLIGHT \
-                and self.stats.buffer_up and self._task is not None:
-            self._post_now()
+        """The buffer's answer for ``group``, posted on the pusher's next turn (no lingering)."""
+        fut = self.enqueue(group, packed)
+        self._kick.set()
         return await fut
 
-    def _post_now(self) -> None:
-        """Post what is queued (up to ``batch`` groups), the request written before this returns."""
-        items = [self._queue.get_nowait() for _ in range(min(self.batch, self._queue.qsize()))]
+    def _post_soon(self) -> None:
+        """Post a batch of what is queued without lingering: written now when a post may start
+        (plain http, a free slot, the buffer answering), else by the task as soon as one may."""
+        if not (self.client.posts_now and self._task is not None and self.stats.buffer_up
+                and len(self._posting) < MAX_IN_FLIGHT):
+            self._kick.set()
+            return
+        items = self._take()
         try:
             body = encode_groups([g for g, _, _ in items], [p for _, _, p in items])
         except cols.NotColumnar:   # rows: the task posts them (the buffer's row schema words what is wrong)
@@ -119,20 +147,39 @@ class Pusher:
             return
         self.stats.eager_posts += 1
         self._start(items, (body, self.client.post_columns_now(body)))
+        if self._items:   # more than a batch was queued: the rest as soon as a post may start
+            self._kick.set()
+
+    def _take(self) -> list[_Item]:
+        items = [self._items.popleft() for _ in range(min(self.batch, len(self._items)))]
+        if not self._items:
+            self._queued.clear()
+        else:
+            self._since = asyncio.get_running_loop().time()
+        return items
 
     async def _run(self) -> None:
         while True:
-            items = [await self._queue.get()]
-            self._waiting = 1
+            await self._queued.wait()
+            while self._items and not self._kick.is_set():   # wait for company (see the module docstring)
+                left = self._since + self.linger_s - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    await asyncio.wait_for(self._kick.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
+            self._kick.clear()
             while len(self._posting) >= MAX_IN_FLIGHT:
                 self._slot_free.clear()
                 await self._slot_free.wait()
-            while len(items) < self.batch and not self._queue.empty():   # what queued while waiting
-                items.append(self._queue.get_nowait())
-            self._waiting = 0
-            self._start(items)
+            if self._items:   # (a flush may have posted them meanwhile)
+                self._start(self._take())
+                if self._items:
+                    self._kick.set()
 
     def _start(self, items: list[_Item], started: _Started | None = None) -> None:
+        self.stats.posts += 1
         t = asyncio.create_task(self._send(items, started))
         self._posting[t] = len(items)
         t.add_done_callback(self._posted)

@@ -51,7 +51,8 @@ from headrace.rollout.generate import EngineClient, Gate, single_turn
 from headrace.rollout.gateway import routes as gateway_routes
 from headrace.rollout.gateway.agents import load_agent
 from headrace.rollout.gateway.gateway import Gateway
-from headrace.rollout.loop import RolloutLoop, check_generator
+from headrace.rollout.generate import check_generator
+from headrace.rollout.loop import RolloutLoop
 from headrace.rollout.rewards import load_reward
 from headrace.rollout.router import LeastInFlight, SGLangRouter
 from headrace.shared.client import AsyncBufferClient

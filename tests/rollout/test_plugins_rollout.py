@@ -11,7 +11,7 @@ import pytest
 
 from headrace.rollout.filters import apply_filter, load_filter, zero_variance
 from headrace.rollout.generate import RolloutContext
-from headrace.rollout.loop import check_generator
+from headrace.rollout.generate import check_generator
 from headrace.rollout.prompts import prompt_sample
 from headrace.rollout.rewards import load_reward, score_sample
 from headrace.shared.config import RolloutConfig

@@ -492,3 +492,43 @@ def test_the_loop_collects_cyclic_garbage_on_its_clock_whatever_the_gc_threshold
         assert gone() is None
     finally:
         gc.set_threshold(*old)
+
+
+def test_the_cursor_is_written_between_batch_rounds_or_when_one_runs_long(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flush_cursor`` skips its writes while a ``generate_batch`` round holds the batch lock, for
+    at most ``QUIET_IN_BATCH_S``."""
+    import asyncio
+    import time
+
+    from headrace.rollout import loop as loop_mod
+
+    class Data:
+        def __init__(self) -> None:
+            self.writes: list[float] = []
+
+        def flush(self) -> None:
+            self.writes.append(time.monotonic())
+
+    class Loop:
+        def __init__(self) -> None:
+            self.data = Data()
+            self._batch_lock = asyncio.Lock()
+
+    async def main(quiet_s: float) -> tuple[list[float], float, float]:
+        monkeypatch.setattr(loop_mod, "QUIET_IN_BATCH_S", quiet_s)
+        fake = Loop()
+        await fake._batch_lock.acquire()           # a round is running
+        task = asyncio.create_task(loop_mod.RolloutLoop.flush_cursor(fake))
+        t0 = time.monotonic()
+        await asyncio.sleep(1.1)
+        fake._batch_lock.release()                 # the round ends
+        t1 = time.monotonic()
+        await asyncio.sleep(0.5)
+        task.cancel()
+        return [w - t0 for w in fake.data.writes], t1 - t0, time.monotonic() - t0
+
+    writes, ended, _ = asyncio.run(main(10.0))
+    assert writes and all(w >= ended for w in writes)      # none during the round, then every tick
+    writes, ended, _ = asyncio.run(main(0.5))
+    during = [w for w in writes if w < ended]
+    assert 1 <= len(during) <= 2 and during[0] >= 0.5      # a long round: at most every 0.5 s

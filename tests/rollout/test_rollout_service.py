@@ -164,6 +164,21 @@ def test_reasoning_gym_task_source_reward_and_evaluate(tmp_path: Path, tiny_mode
     assert s.buffer_stats()["queued"] == 0  # evaluation pushes nothing
 
 
+def test_an_on_demand_rounds_groups_reach_the_buffer_in_one_post_once_the_last_is_built(
+        tmp_path: Path, tiny_model, stacks) -> None:
+    """The loop holds its built groups while others are in production and flushes the pusher when
+    none is left (rollout/pusher.py): one POST for the round, written at once."""
+    s = stacks(tiny_model, {
+        "data": {"path": str(write_prompts(tmp_path / "p.jsonl", 40)), "shuffle": False},
+        "n_samples_per_prompt": 2, "mode": "on_demand", "sampling": {"max_new_tokens": 4}}).start()
+    for k in (1, 2):
+        r = s.post("/v1/generate_batch", {"groups": 6}).json()
+        assert r["groups"] == 6 and r["complete"]
+        push = s.status()["push"]
+        assert (push["posts"], push["eager_posts"], push["accepted"], push["pending"]) == (k, k, 6 * k, 0)
+    assert len(s.lease_all()) == 12
+
+
 def test_continuous_admission_keeps_queued_plus_in_flight_within_the_staleness_window(
         tmp_path: Path, tiny_model, stacks) -> None:
     s = stacks(tiny_model, {
