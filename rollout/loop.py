@@ -48,7 +48,7 @@ from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
 from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields, typename
 from headrace.rollout.prompts import prompt_ids, prompt_ids_many, prompt_sample
-from headrace.rollout.pusher import Pusher
+from headrace.rollout.pusher import LINGER_S, Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
@@ -89,7 +89,7 @@ class RolloutLoop:
         self.buffer = buffer
         self.run_id = run_id
         self.http = http
-        self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s)
+        self.pusher = Pusher(buffer, self.rc.push_batch, self.rc.push_retry_max_s, LINGER_S[self.rc.mode])
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
         self._group_lock = asyncio.Lock()
         self._packed: dict[str, Packed] = {}   # group id -> its arrays, until its slot ends

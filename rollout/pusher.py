@@ -18,7 +18,8 @@ Guarantees:
 - The loop's groups (``enqueue``) wait for company: a batch goes when ``push_batch`` groups are
   queued, when the producer says nothing more is coming soon (``flush``: the loop calls it when no
   group is left in production, e.g. at the end of a ``generate_batch`` round), or ``linger_s``
-  after the first of them was queued, whichever comes first; ``push`` (the agent gateway's) posts
+  after the first of them was queued (``LINGER_S``: 50 ms on_demand, 5 ms continuous), whichever
+  comes first; ``push`` (the agent gateway's) posts
   on the pusher's next turn, with whatever is queued then. A batch that goes because it is full or
   flushed is written before the call returns (``AsyncBufferClient.post_columns_now``) when a post
   may start, else by the pusher's task as soon as one may.
@@ -54,7 +55,9 @@ log = logging.getLogger("headrace.rollout.push")
 
 Outcome = Literal["accepted", "duplicate", "rejected"]
 MAX_IN_FLIGHT = 4
-LINGER_S = 0.05   # how long the loop's first queued group may wait for company (``enqueue``)
+# how long the loop's first queued group may wait for company (``enqueue``): on_demand, nobody reads
+# a round's groups before the round ends (which flushes); continuous, the trainer may be waiting
+LINGER_S = {"on_demand": 0.05, "continuous": 0.005}
 _Started = tuple[bytes, "asyncio.Future[Reply]"]   # a columnar body and its first attempt, already written
 _Item = tuple[Group, "asyncio.Future[Outcome]", Packed | None]
 
@@ -74,7 +77,8 @@ class PushStats:
 class Pusher:
     """One background task draining a queue of groups into the buffer."""
 
-    def __init__(self, client: AsyncBufferClient, batch: int, retry_max_s: float, linger_s: float = LINGER_S) -> None:
+    def __init__(self, client: AsyncBufferClient, batch: int, retry_max_s: float,
+                 linger_s: float = LINGER_S["continuous"]) -> None:
         self.client = client
         self.batch = batch
         self.retry_max_s = retry_max_s
