@@ -111,6 +111,25 @@ request is read ~5 ms after the call (direct: 1.5 ms), then the engines hold 20 
 ~62 ms alike; from their last answer to the client's answer ~11 ms (direct: 0.6 ms), the service
 building the groups at ~0.23 ms each as the answers come, the last POST ~1.2 ms, the answer to the
 client ~0.9 ms. bench/RESULTS.md has the changes and what was dropped.
+
+6 Dec, eighteenth session. Traced again (the service's and the engines' events on one clock, and
+py-spy of the service, the buffer and an engine): the engines take ~6 ms from their first finished
+sequence to their last answer on both paths (the answers' rendering); on the service path the
+service's group building and the buffer's POSTs run in that same phase, so it is CPU-bound on the
+2 cores (engines ~12 ms + service ~8 ms + buffer ~4 ms), and py-spy found the service waiting for
+a core ~25% of its active time. Changes: a round's groups go as one POST once the last is built
+(``rollout/pusher.py``: the loop flushes when no group is left in production; before, 5-6 POSTs of
+~8 groups competed with the engines), the buffer's in-memory store runs on its event loop (two
+thread hand-offs less per POST), the data cursor is not written while a round runs (~0.5 ms a
+round), a group's samples are cloned without pydantic's copy. By this script's CPU meter: service
+10.1-11.6 ms a round (was 12.2-13.7), buffer 2.6-2.9 ms (was 6.1-7.3). Ratio, eight runs: 0.887,
+0.88, 0.873, 0.886, 0.888, 0.886, 0.917, 0.879, median 0.886 (the previous code's runs of the same
+morning: 0.875, 0.873, 0.9, 0.879, 0.874, 0.848, 0.879, median ~0.876). Same-run A/B of alternate
+rounds (a tracer flipping the policy each round): the one POST shortened the service's round by
+0.7 and 2.2 ms. Measured and dropped: writing each engine batch when it fills (the last request
+leaves no earlier: the engines reading the first batches slow the preparation of the rest), the
+group's samples cloned 2 or 10 ms after its requests left instead of after the answers (no gain
+in alternate rounds), at most one POST in flight (no gain).
 """
 
 from __future__ import annotations
