@@ -122,8 +122,8 @@ a core ~25% of its active time. Changes: a round's groups go as one POST once th
 ~8 groups competed with the engines), the buffer's in-memory store runs on its event loop (two
 thread hand-offs less per POST), the data cursor is not written while a round runs (~0.5 ms a
 round), a group's samples are cloned without pydantic's copy. By this script's CPU meter: service
-10.1-11.6 ms a round (was 12.2-13.7), buffer 2.6-2.9 ms (was 6.1-7.3). Ratio, eight runs: 0.887,
-0.88, 0.873, 0.886, 0.888, 0.886, 0.917, 0.879, median 0.886 (the previous code's runs of the same
+10.1-11.6 ms a round (was 12.2-13.7), buffer 2.6-2.9 ms (was 6.1-7.3). Ratio, twelve runs: 0.887,
+0.88, 0.873, 0.886, 0.888, 0.886, 0.917, 0.879, 0.904, 0.903, 0.898, 0.883, median 0.8865 (the previous code's runs of the same
 morning: 0.875, 0.873, 0.9, 0.879, 0.874, 0.848, 0.879, median ~0.876). Same-run A/B of alternate
 rounds (a tracer flipping the policy each round): the one POST shortened the service's round by
 0.7 and 2.2 ms. Measured and dropped: writing each engine batch when it fills (the last request
