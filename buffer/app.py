@@ -11,8 +11,8 @@ Guarantees:
   is called on the event loop itself: it never waits for a disk, and its calls take microseconds
   to a few milliseconds, less than the two thread hand-offs per request (on the 2-core machine
   ~0.1 ms of the buffer's ~0.7 ms of CPU per POST of 8 small groups, and each hand-off a wake-up
-  that waits for a core when the engines have both). A smaller column body is checked on the loop itself:
-  numpy takes ~1 ms a MB there, less than the two thread hand-offs would add to the request.
+  that waits for a core when the engines have both). A smaller column body is checked on the
+  loop itself: numpy takes ~1 ms a MB there, less than the two thread hand-offs would add.
   A lease with ``wait_s`` waits on an asyncio condition, never on a thread.
 - Leases past their ``expires_at`` go back to the queue lazily (on every lease/ack/release) and
   from a background task, so a waiting lease sees them promptly.
@@ -110,7 +110,7 @@ class BufferService:
         mine = _Post(rows)
         with self._posts_lock:
             self._posts.append(mine)
-        await self.db(self._commit_posts)   # FIFO thread (or inline): when it returns, a commit holding ``mine`` is done
+        await self.db(self._commit_posts)   # FIFO (thread or inline): on return a commit holding ``mine`` is done
         if isinstance(mine.result, BaseException):
             raise mine.result
         assert mine.result is not None, "group commit left a request unanswered"

@@ -44,7 +44,8 @@ from pydantic import ValidationError
 from headrace.shared import columns as cols
 from headrace.shared.schemas import MAX_TOKEN_ID, Group, Sample, SampleStatus, plain_json
 
-__all__ = ["Packed", "check_outputs", "clone_sample", "copy_for_generator", "encode_groups", "own_free_form", "revalidate"]
+__all__ = ["Packed", "check_outputs", "clone_sample", "copy_for_generator", "encode_groups", "own_free_form",
+           "revalidate"]
 
 _STATUSES = frozenset(s.value for s in SampleStatus)
 _SCALARS = (type(None), bool, int, float, str)

@@ -175,11 +175,8 @@ class RolloutLoop:
                 if isinstance(a, BaseException):
                     raise a
                 own = own_free_form(first)
-                fields = turn_fields(first, a, own["metadata"])   # (its metadata, if any, wins: a resume count)
-                fields.setdefault("metadata", own["metadata"])
-                fields["label"], fields["uid"], fields["index"] = own["label"], ids["uid"], i
-                fields["weight_version"] = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-                s = clone_sample(first, fields)
+                v = ctx.weight_version if ctx.weight_version is not None else self.gate.version
+                s = clone_sample(first, {**ids, **own, **turn_fields(first, a, own["metadata"]), "weight_version": v})
                 made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
                 if getattr(a, "arrays", None) is not None:
                     packed.add(i, a["output_ids"], a.logprobs, a.arrays)

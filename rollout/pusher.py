@@ -19,10 +19,10 @@ Guarantees:
   queued, when the producer says nothing more is coming soon (``flush``: the loop calls it when no
   group is left in production, e.g. at the end of a ``generate_batch`` round), or ``linger_s``
   after the first of them was queued (``LINGER_S``: 50 ms on_demand, 5 ms continuous), whichever
-  comes first; ``push`` (the agent gateway's) posts
-  on the pusher's next turn, with whatever is queued then. A batch that goes because it is full or
-  flushed is written before the call returns (``AsyncBufferClient.post_columns_now``) when a post
-  may start, else by the pusher's task as soon as one may.
+  comes first; ``push`` (the agent gateway's) posts on the pusher's next turn, with whatever is
+  queued then. A batch that goes because it is full or flushed is written before the call returns
+  (``AsyncBufferClient.post_columns_now``) when a post may start, else by the pusher's task as
+  soon as one may.
 
 On the 2-core machine (``bench/rollout_bench.py``, 2 engines, 32 groups a round) a round's groups
 now go as one POST once the last is built, where they went as 5-6 POSTs of ~8 groups while the

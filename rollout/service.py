@@ -47,11 +47,10 @@ from headrace.rollout.data import DataSource
 from headrace.rollout.filters import load_filter
 from headrace.rollout.fleet import Engine, Fleet
 from headrace.shared.procs import free_port
-from headrace.rollout.generate import EngineClient, Gate, single_turn
+from headrace.rollout.generate import EngineClient, Gate, check_generator, single_turn
 from headrace.rollout.gateway import routes as gateway_routes
 from headrace.rollout.gateway.agents import load_agent
 from headrace.rollout.gateway.gateway import Gateway
-from headrace.rollout.generate import check_generator
 from headrace.rollout.loop import RolloutLoop
 from headrace.rollout.rewards import load_reward
 from headrace.rollout.router import LeastInFlight, SGLangRouter
