@@ -16,7 +16,8 @@ Guarantees of ``check_outputs(samples)``:
 - booleans inside the numeric lists are taken as 0 / 1, as the columnar encoder takes them;
 - the per-token checks are skipped for samples the caller marks as built from checked parts (the
   default generator's: ~13% of the service's CPU per 8 x 2,048-token group was this second pass
-  over lists ``answers.check_answer`` had just checked).
+  over lists ``answers.check_answer`` had just checked), and every check for samples it marks
+  ``ALL_VALID`` (``group_path``: a group whose first sample passed them, the others built alike).
 
 ``encode_groups(groups, packed)`` is the push's body: the groups as one columnar body
 (``application/x-headrace-columns``), numeric columns converted in C (``array.array``) with no
@@ -151,14 +152,19 @@ def _flag_numbers(samples: list[Sample], field: str, typecode: str, bad: Any) ->
         return _owners(np.asarray(offsets, dtype=np.int64), bad(a))
 
 
-def check_outputs(samples: list[Sample], numbers_valid: list[bool] | None = None
+NUMBERS_VALID = 1   # a sample's tokens, loss_mask and rollout_logprobs are valid by construction
+ALL_VALID = 2       # and so is every other field but the reward and the ids (``_plain`` holds)
+
+
+def check_outputs(samples: list[Sample], numbers_valid: list[int] | None = None
                   ) -> list[tuple[Sample | None, str | None]]:
     """Each sample checked: ``(sample, None)`` when valid (possibly a normalised copy), ``(None,
-    message)`` when not. ``numbers_valid[i]`` says sample ``i``'s ``tokens``, ``loss_mask`` and
-    ``rollout_logprobs`` are valid by construction (the default generator's samples: tokenizer
-    output plus engine answers that ``answers.check_answer`` checked); only its other fields are
-    checked then."""
-    plain = [_plain(s) for s in samples]
+    message)`` when not. ``numbers_valid[i]`` ``NUMBERS_VALID`` says sample ``i``'s ``tokens``,
+    ``loss_mask`` and ``rollout_logprobs`` are valid by construction (the default generator's
+    samples: tokenizer output plus engine answers that ``answers.check_answer`` checked); only its
+    other fields are checked then; ``ALL_VALID`` says its other fields are too (``_plain`` holds:
+    ``group_path`` tells for a group's samples at once), so nothing is checked."""
+    plain = [(numbers_valid is not None and numbers_valid[i] == ALL_VALID) or _plain(s) for i, s in enumerate(samples)]
     index = [i for i, ok in enumerate(plain) if ok and not (numbers_valid and numbers_valid[i])]
     fast = [samples[i] for i in index]
     suspect: set[int] = set()

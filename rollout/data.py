@@ -275,7 +275,7 @@ class DataSource:
 
     def exhausted(self) -> bool:
         """True once every slot of the configured epochs was drawn (never with epochs: null)."""
-        return self.cfg.epochs is not None and self._skip_done(self._next) >= self.cfg.epochs * len(self.items)
+        return self._first_from(self._next) is None
 
     def _owned_from(self, g: int) -> int:
         """The first position >= ``g`` of this shard (``g`` itself without sharding)."""
@@ -292,17 +292,36 @@ class DataSource:
             g = self._owned_from(g + 1)
         return g
 
+    def _first_from(self, g: int) -> int | None:
+        """The first unfinished slot of this source at or after ``g``; None past the configured epochs."""
+        g = self._skip_done(g)
+        return None if self.cfg.epochs is not None and g >= self.cfg.epochs * len(self.items) else g
+
+    def _slot(self, g: int) -> PromptItem:
+        epoch, i = divmod(g, len(self.items))
+        prompt, label, meta = self.items[self._perm(epoch)[i]]
+        return PromptItem(position=g, epoch=epoch, prompt=prompt, label=label, metadata=dict(meta), source=self._source)
+
     def next(self) -> PromptItem | None:
         """The next unfinished slot, or None when the configured epochs are used up."""
-        g = self._skip_done(self._next)
-        n = len(self.items)
-        if self.cfg.epochs is not None and g >= self.cfg.epochs * n:
+        g = self._first_from(self._next)
+        if g is None:
             return None
         self._next = g + 1
         self._outstanding.add(g)
-        epoch, i = divmod(g, n)
-        prompt, label, meta = self.items[self._perm(epoch)[i]]
-        return PromptItem(position=g, epoch=epoch, prompt=prompt, label=label, metadata=dict(meta), source=self._source)
+        return self._slot(g)
+
+    def peek(self, k: int) -> list[PromptItem]:
+        """The slots the next ``k`` calls of ``next`` would draw, as things stand; nothing changes."""
+        out: list[PromptItem] = []
+        g = self._next
+        while len(out) < k:
+            first = self._first_from(g)
+            if first is None:
+                break
+            out.append(self._slot(first))
+            g = first + 1
+        return out
 
     def mark_done(self, item: PromptItem) -> None:
         """Record a slot as finished (pushed, filtered or failed) and persist the cursor."""

@@ -29,7 +29,10 @@ Guarantees:
   < (max_staleness + 1) x groups_per_step; with k services on the buffer (``data.shard``) each
   admits against its share of that cap and of the backlog (``shared.staleness.admits``), so
   together they stay within it while they push at the same pace, and below twice it in any case.
-  on_demand mode generates only inside ``generate_batch``.
+  on_demand mode generates only inside ``generate_batch``; ``AHEAD_AFTER_S`` after a round's first
+  draw, while its requests are out, it makes the ids of the prompts the next round will draw
+  (``prompts.PromptIds``): on the 2-core machine that took ~0.7 ms off the time to a round's last
+  engine request (bench/rollout_bench.py, traced, rounds alternating with and without it).
 """
 
 from __future__ import annotations
@@ -42,34 +45,22 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 
-from headrace.rollout.columns_push import (Packed, check_outputs, clone_sample, copy_for_generator, own_free_form,
-                                           short)
+from headrace.rollout.columns_push import NUMBERS_VALID, Packed, check_outputs, copy_for_generator, short
 from headrace.rollout.data import DataSource, PromptItem
 from headrace.rollout.filters import FilterFn, apply_filter
-from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, turn_fields, typename
-from headrace.rollout.prompts import prompt_ids, prompt_ids_many, prompt_sample
+from headrace.rollout.generate import EngineClient, GenerateFn, RolloutContext, single_turn, typename
+from headrace.rollout.group_path import Made, failed, group_samples
+from headrace.rollout.prompts import PromptIds, prompt_ids, prompt_sample
 from headrace.rollout.pusher import LINGER_S, Pusher
 from headrace.rollout.rewards import RewardFn, drop, score_later, score_now
 from headrace.shared.client import AsyncBufferClient
 from headrace.shared.config import HeadraceConfig
-from headrace.shared.schemas import FAILED, Group, Sample, SampleStatus
+from headrace.shared.schemas import FAILED, Group, Sample
 from headrace.shared.staleness import admission_cap, admits
 from headrace.shared.staleness import admission_share as share_of_cap
 
 log = logging.getLogger("headrace.rollout")
 REWARD_SLICE_S = 0.002  # plain (sync) rewards run inline; after this long the loop gets a turn between samples
-
-# (context, the prompt sample, what the generator returned, whether those samples' numeric lists
-# are valid by construction: the default generator's, from checked engine answers)
-Made = tuple[RolloutContext, Sample, list[Sample], bool]
-
-
-def failed(sample: Sample, why: str) -> Sample:
-    """The prompt-only sample marked failed with the reason."""
-    return Sample(uid=sample.uid, group_id=sample.group_id, index=sample.index, tokens=sample.tokens[: sample.prompt_length],
-                  status=SampleStatus.failed, weight_version=sample.weight_version, prompt=sample.prompt,
-                  label=sample.label, metadata={**sample.metadata, "error": why})
-
 
 class RolloutLoop:
     """Produces groups into the buffer; owns counters reported by /v1/status."""
@@ -93,7 +84,7 @@ class RolloutLoop:
         self.samples_sem = asyncio.Semaphore(self.rc.max_concurrency)
         self._group_lock = asyncio.Lock()
         self._packed: dict[str, Packed] = {}   # group id -> its arrays, until its slot ends
-        self._tokenized: dict[str, tuple[list[int], str]] = {}   # item key -> its prompt ids, until produced
+        self.prompts = PromptIds(tokenizer, self.rc.data.apply_chat_template)   # ids made before they are needed
         # rollout.agent: ``await agent(item, group_id)`` -> the group's samples (the gateway's runner)
         self.agent: Callable[[PromptItem, str], Awaitable[list[Sample]]] | None = None
         self.logger = logging.getLogger("headrace.rollout.plugin")
@@ -112,16 +103,12 @@ class RolloutLoop:
     def _ctx(self, with_engine: bool = True) -> RolloutContext:
         return RolloutContext(self.engine if with_engine else None, self.tokenizer, self.rc, self.logger, self.http)
 
-    def _prompt_ids(self, item: PromptItem) -> tuple[list[int], str]:
-        got = self._tokenized.pop(item.key, None)   # (generate_batch tokenizes its round at once)
-        return got if got is not None else prompt_ids(self.tokenizer, item, self.rc.data.apply_chat_template)
-
     async def _generate(self, base: Sample, sampling: dict[str, Any], group_engine: list[Any] | None = None) -> Made:
         """The generator's samples for ``base`` (type-checked only), or ``base`` failed with the
-        reason; and whether their numeric lists are valid by construction (``Made``)."""
+        reason; and how much of them is valid by construction (``Made``)."""
         ctx = self._ctx()
         ctx.group_engine = group_engine
-        built = False
+        built = 0
         async with self.samples_sem:
             try:
                 given = copy_for_generator(base)
@@ -130,7 +117,7 @@ class RolloutLoop:
                 if not outs or not all(isinstance(s, Sample) for s in outs):
                     raise TypeError(f"generator must return a Sample or a list of Samples, got {typename(out)}")
                 # the default generator appends one checked engine answer to the tokenized prompt
-                built = self.generate_fn is single_turn and out is given
+                built = NUMBERS_VALID if self.generate_fn is single_turn and out is given else 0
             except ValidationError as e:  # the generator built a Sample that breaks the schema
                 outs = [failed(base, f"generator produced an invalid sample: {short(e)}")]
             except Exception as e:  # noqa: BLE001 - a generator fault fails the sample only
@@ -141,9 +128,9 @@ class RolloutLoop:
     async def _generate_group(self, first: Sample, n: int, sampling: dict[str, Any], cell: list[Any]) -> list[Made]:
         """``_generate`` for the ``n`` samples of a group of the default generator at once (``first``:
         sample 0's prompt sample): one routed batch of first requests (``EngineClient.generate_group``),
-        no task per sample, and each sample one model copy of ``first`` (ids, its own label and
-        metadata, the answer appended) instead of a prompt sample, a copy for the generator and the
-        appending. The same samples, failures and messages as ``_generate`` gives each; the group
+        no task per sample, and each sample one copy of ``first`` (ids, its own label and metadata,
+        the answer appended: ``group_path.group_samples``) instead of a prompt sample, a copy for
+        the generator and the appending. The same samples, failures and messages as ``_generate`` gives each; the group
         holds ``n`` of ``rollout.max_concurrency`` while it runs (taken together under a lock, so
         two groups never wait on each other's half)."""
         gid = first.group_id
@@ -167,31 +154,15 @@ class RolloutLoop:
         finally:
             for _ in range(n):
                 self.samples_sem.release()
-        made: list[Made] = []
         packed = self._packed.setdefault(gid, Packed(first.tokens))   # the push's arrays (columns_push)
-        for i, (ctx, a) in enumerate(zip(ctxs, answers)):
-            ids = {"uid": f"{gid}-{i}", "index": i}
-            try:
-                if isinstance(a, BaseException):
-                    raise a
-                own = own_free_form(first)
-                v = ctx.weight_version if ctx.weight_version is not None else self.gate.version
-                s = clone_sample(first, {**ids, **own, **turn_fields(first, a, own["metadata"]), "weight_version": v})
-                made.append((ctx, s, [s], True))   # (a failure found later takes its prompt part: ``failed``)
-                if getattr(a, "arrays", None) is not None:
-                    packed.add(i, a["output_ids"], a.logprobs, a.arrays)
-            except Exception as e:  # noqa: BLE001 - as _generate words a fault of the generator
-                base = first.model_copy(update=ids)
-                self.logger.warning("generator failed for %s: %s: %s", base.uid, type(e).__name__, e)
-                made.append((ctx, base, [failed(base, f"generate: {type(e).__name__}: {e}")], False))
-        return made
+        return group_samples(first, ctxs, answers, self.gate.version, packed, self.logger)
 
     async def _finish(self, made: list[Made]) -> list[Sample]:
         """Check every generated sample at once (invalid ones fail with the schema's message), tag
         versions, score; samples in order."""
         seen: set[int] = set()
         flat: list[tuple[RolloutContext, Sample, Sample]] = []
-        built: list[bool] = []
+        built: list[int] = []
         for ctx, base, outs, numbers_valid in made:
             for s in outs:
                 if id(s) in seen:  # one object returned twice: each place gets its own sample
@@ -235,7 +206,7 @@ class RolloutLoop:
         n = self.rc.n_samples_per_prompt
         proto = dict(group_id=gid, label=item.label, metadata=dict(item.metadata), weight_version=self.gate.version)
         try:
-            ids, text = self._prompt_ids(item)
+            ids, text = self.prompts.take(item)
             why = None
             if self.rc.max_prompt_length and len(ids) > self.rc.max_prompt_length:
                 why = f"prompt has {len(ids)} tokens > rollout.max_prompt_length {self.rc.max_prompt_length}"
@@ -244,8 +215,9 @@ class RolloutLoop:
         first = prompt_sample(uid=f"{gid}-0", index=0, tokens=ids, prompt=text, **proto)
         params = sampling or self.rc.sampling.to_sglang()
         shared: list[Any] = [None]   # one engine for the group while it is not much busier (generate.py)
-        if not why and self.agent is None and self.generate_fn is single_turn and self.engine is not None \
-                and 1 < n <= min(self.rc.max_concurrency, self.engine.transport.max_batch):
+        numbered = not why and self.agent is None and self.generate_fn is single_turn and self.engine is not None \
+            and 1 < n <= min(self.rc.max_concurrency, self.engine.transport.max_batch)
+        if numbered:   # (its samples come with their ids)
             samples = await self._finish(await self._generate_group(first, n, params, shared))
         else:
             bases = [first] + [first.model_copy(update={"uid": f"{gid}-{i}", "index": i}) for i in range(1, n)]
@@ -255,13 +227,14 @@ class RolloutLoop:
                 samples = await self.agent(item, gid)
             else:
                 samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
-        for i, s in enumerate(samples):  # generators may return several samples: renumber
+        for i, s in enumerate([] if numbered else samples):  # generators may return several samples: renumber
             uid = f"{gid}-{i}"
             if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)
                 s.index, s.uid, s.group_id = i, uid, gid
+        lost = sum(s.status == FAILED for s in samples)
         self.counts["samples"] += len(samples)
-        self.counts["samples_failed"] += sum(s.status == FAILED for s in samples)
-        if all(s.status == FAILED for s in samples):
+        self.counts["samples_failed"] += lost
+        if lost == len(samples):
             log.warning("group %s: every sample failed (%s)", gid, samples[0].metadata.get("error"))
             return None
         return Group(group_id=gid, samples=samples, metadata={"epoch": item.epoch, "position": item.position})
@@ -285,7 +258,7 @@ class RolloutLoop:
         finally:
             self.groups_in_flight -= 1
             self._packed.pop(self._gid(item), None)
-            self._tokenized.pop(item.key, None)
+            self.prompts.drop(item)
             self._wake.set()
 
     async def _slot(self, item: PromptItem) -> bool:
@@ -397,14 +370,22 @@ class RolloutLoop:
                         break
                     items.append(item)
                     drawn += 1
-                self._tokenized.update(prompt_ids_many(self.tokenizer, items, self.rc.data.apply_chat_template))
+                self.prompts.for_round(items)
                 running.update(self._spawn(item) for item in items)
+                if items and drawn == len(items) and AHEAD_AFTER_S:   # (the round's first draw)
+                    asyncio.get_running_loop().call_later(AHEAD_AFTER_S, self._ahead, n)
                 if not running:
                     break
                 done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 pushed += sum(1 for t in done if not t.cancelled() and t.exception() is None and t.result())
             return {"groups": pushed, "requested": n, "prompts_drawn": drawn, "complete": pushed >= n,
                     "data_exhausted": exhausted, "seconds": round(time.monotonic() - t0, 3)}
+
+    def _ahead(self, n: int) -> None:
+        try:
+            self.prompts.ahead(self.data.peek(n))
+        except Exception as e:  # noqa: BLE001 - only a cache: the round tokenizes what it lacks
+            log.warning("making the next round's prompt ids ahead failed: %s: %s", type(e).__name__, e)
 
     async def evaluate(self, limit: int | None = None, part: tuple[int, int] | None = None) -> dict[str, Any]:
         """One sample per held-out prompt with ``eval_sampling`` (greedy by default), scored; nothing
@@ -483,6 +464,8 @@ class RolloutLoop:
 
 GC_THRESHOLD = 10_000_000   # the cyclic GC's first threshold while the loop runs (``RolloutLoop.start``)
 GC_EVERY_S = 30.0           # and a full collection this often, whatever the threshold saw
+AHEAD_AFTER_S = 0.01   # generate_batch makes the next round's prompt ids this long after its start (0: never),
+#                        while its requests are out (prompts.PromptIds)
 QUIET_IN_BATCH_S = 10.0     # how long ``flush_cursor`` may skip its work while a generate_batch runs
 
 

@@ -268,7 +268,7 @@ class RolloutService:
             "router": getattr(self.router, "url", "builtin"),
             "in_flight": self.gate.in_flight, "partial": self.engine.partial_held,
             "groups_in_flight": loop.groups_in_flight,
-            "produced": loop.counts["groups_pushed"], "counts": loop.counts,
+            "produced": loop.counts["groups_pushed"], "counts": loop.counts | {"prompts_ahead": loop.prompts.hits},
             "push": vars(loop.pusher.stats) | {"pending": loop.pusher.pending},
             "buffer_backlog": loop.backlog, "admission_cap": loop.admission_cap,
             "admission_share": loop.admission_share,

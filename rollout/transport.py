@@ -203,13 +203,17 @@ class Transport:
     def _queue(self, url: str, input_ids: list[int], params: dict[str, Any], futs: list[Any],
                lora: str | None, compact: bool) -> None:
         key = (url, _params_key(params), lora, compact)   # one batch, one sampling_params
+        q = None
         for fut in futs:
-            q = self._queues.setdefault(key, _Queue())
+            if q is None:
+                q = self._queues.get(key)
+                if q is None:
+                    q = self._queues[key] = _Queue()
+                    q.timer = asyncio.get_running_loop().call_later(self.window_s, self._flush, key)
             q.items.append(_Waiting(input_ids, params, fut, lora, compact))
             if len(q.items) >= self.max_batch:
                 self._flush(key)
-            elif q.timer is None:
-                q.timer = asyncio.get_running_loop().call_later(self.window_s, self._flush, key)
+                q = None
 
     async def _single(self, url: str, input_ids: list[int], params: dict[str, Any],
                       lora: str | None = None) -> dict[str, Any]:

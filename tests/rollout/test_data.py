@@ -125,3 +125,27 @@ def test_task_items_are_made_when_read_in_any_order_as_the_eager_list() -> None:
         items[100_000]
     with pytest.raises(DataError, match="chain_sum"):
         load_items(DataConfig(task="chain_sum", size=10, task_config={"min_terms": 5, "max_terms": 2}))
+
+
+@pytest.mark.parametrize("shard", [None, {"index": 1, "count": 3}])
+def test_peek_shows_the_next_draws_and_changes_nothing(tmp_path: Path, shard: dict | None) -> None:
+    """``peek(k)`` (the next round's prompts, tokenized ahead) is what the next ``k`` draws give,
+    across an epoch boundary, around finished slots of a restarted cursor and up to exhaustion,
+    and leaves the cursor as it was."""
+    cfg = DataConfig(path=str(_jsonl(tmp_path / "p.jsonl", 10)), seed=5, epochs=2, shard=shard)
+    state = tmp_path / "state.json"
+    first = DataSource(cfg, state)
+    drawn = [first.next() for _ in range(4)]
+    for i in (0, 2, 3):   # slot 1 unfinished: drawn again after the restart, 2 and 3 skipped
+        first.mark_done(drawn[i])
+    src = DataSource(cfg, state)
+    key = lambda it: (it.position, it.epoch, it.prompt, it.label, it.metadata, it.key)   # noqa: E731
+    while True:
+        before = (src.state(), src._next, set(src._outstanding))
+        ahead = src.peek(3)
+        assert (src.state(), src._next, set(src._outstanding)) == before
+        nxt = [src.next() for _ in range(3)]
+        assert [key(it) for it in ahead] == [key(it) for it in nxt if it is not None]
+        if any(it is None for it in nxt):
+            break
+    assert src.peek(5) == [] and src.exhausted()

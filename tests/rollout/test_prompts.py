@@ -63,3 +63,27 @@ def test_what_cannot_go_in_one_call_is_left_to_the_item_alone(tok: Any) -> None:
         prompt_ids(tok, broken, False)
     assert prompt_ids_many(NoLists(), items, False) == {}
     assert prompt_ids_many(tok, items[:1], False) == {}   # one item: nothing to gain
+
+
+def test_ids_made_ahead_are_each_prompts_own_and_bounded_by_one_round(tok: Any) -> None:
+    """``PromptIds``: a round's ids at once, the next round's ahead; ``take`` gives what
+    ``prompt_ids`` gives whichever way they were made; a later ``ahead`` replaces what was made
+    ahead and not taken; a slot that ends without taking its ids drops them."""
+    from headrace.rollout.prompts import PromptIds
+
+    items = _items()
+    now, later, after = items[:3], items[3:6], items[6:]
+    ids = PromptIds(tok, False)
+    ids.for_round(now)
+    ids.ahead(later)
+    assert [ids.take(it) for it in now] == [prompt_ids(tok, it, False) for it in now] and ids.hits == 0
+    assert ids.take(later[0]) == prompt_ids(tok, later[0], False) and ids.hits == 1
+    ids.ahead(after)   # later[1:] were never drawn: forgotten
+    assert set(ids._ahead) == {it.key for it in after} and not ids._round
+    ids.for_round(after[:1] + later[1:])   # one made ahead, two not
+    assert set(ids._round) == {later[1].key, later[2].key}
+    ids.drop(later[1])
+    assert set(ids._round) == {later[2].key}
+    got = [ids.take(it) for it in after + later[1:]]
+    assert got == [prompt_ids(tok, it, False) for it in after + later[1:]] and ids.hits == 1 + len(after)
+    assert not ids._ahead and not ids._round

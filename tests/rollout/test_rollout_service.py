@@ -174,9 +174,19 @@ def test_an_on_demand_rounds_groups_reach_the_buffer_in_one_post_once_the_last_i
     for k in (1, 2):
         r = s.post("/v1/generate_batch", {"groups": 6}).json()
         assert r["groups"] == 6 and r["complete"]
-        push = s.status()["push"]
+        status = s.status()
+        push = status["push"]
         assert (push["posts"], push["eager_posts"], push["accepted"], push["pending"]) == (k, k, 6 * k, 0)
-    assert len(s.lease_all()) == 12
+        # the second round's prompt ids were made while the first round's requests were out
+        assert status["counts"]["prompts_ahead"] == 6 * (k - 1)
+    groups = s.lease_all()
+    assert len(groups) == 12
+    from headrace.rollout.service import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model))
+    for g in groups:   # made ahead or not, each sample starts with its prompt's own ids
+        for x in g.samples:
+            assert x.tokens[: x.prompt_length] == tok(x.prompt)["input_ids"] and x.prompt_length > 0
 
 
 def test_continuous_admission_keeps_queued_plus_in_flight_within_the_staleness_window(
