@@ -216,7 +216,9 @@ def test_short_answers_are_judged_exactly_as_the_numpy_path_judges_them(monkeypa
     assert seen["ok"] > 20 and seen["error"] > 20, seen   # both outcomes were exercised
 
 
-def test_a_batch_of_short_answers_checked_at_once_is_judged_as_each_alone() -> None:
+@pytest.mark.parametrize("answers_per_batch, rare", [((1, 5), 10), ((20, 40), 300)])   # (past answers._NUMPY_FROM values)
+def test_a_batch_of_short_answers_checked_at_once_is_judged_as_each_alone(answers_per_batch: tuple[int, int],
+                                                                          rare: int) -> None:
     """``answers.check_short_batch`` (a batch answer's short answers, one pass): either every
     answer comes out as ``check_answer`` makes it, or None with the answers untouched (each then
     goes through ``check_answer``, which words the errors)."""
@@ -230,17 +232,20 @@ def test_a_batch_of_short_answers_checked_at_once_is_judged_as_each_alone() -> N
     @st.composite
     def batches(draw: st.DrawFn) -> list:
         outs = []
-        for _ in range(draw(st.integers(1, 5))):
-            ids = draw(st.lists(st.integers(0, 5000), min_size=0 if draw(st.integers(0, 9)) == 0 else 1, max_size=6))
+        for _ in range(draw(st.integers(*answers_per_batch))):
+            ids = draw(st.lists(st.integers(0, 5000), min_size=0 if draw(st.integers(0, rare - 1)) == 0 else 1,
+                                max_size=6))
             lps = [[draw(st.floats(-1e6, 0.0)), t, None] for t in ids]
-            if ids and draw(st.integers(0, 9)) == 0:   # now and then one bad value somewhere
+            if ids and draw(st.integers(0, rare - 1)) == 0:   # now and then one bad value somewhere
                 k = draw(st.integers(0, len(ids) - 1))
                 if draw(st.booleans()):
                     ids[k] = draw(st.sampled_from([v for v in _VALUES if not isinstance(v, int) or v < 0 or v >= 2**31]))
                 else:
                     lps[k] = draw(st.sampled_from([[5e-7, ids[k], None], [0.5, ids[k], None], [None, ids[k], None], "x",
                                                    [float("-inf"), ids[k], None]]))
-            fr = draw(st.sampled_from([{"type": "length"}, "stop", {"type": "abort"}] * 5 + [{"type": "bogus"}]))
+            fr = draw(st.sampled_from([{"type": "length"}, "stop", {"type": "abort"}]))
+            if draw(st.integers(0, rare - 1)) == 0:
+                fr = {"type": "bogus"}
             outs.append({"text": "t", "output_ids": ids, "meta_info": {"finish_reason": fr, "output_token_logprobs": lps}})
         return outs
 
@@ -263,6 +268,26 @@ def test_a_batch_of_short_answers_checked_at_once_is_judged_as_each_alone() -> N
 
     same()
     assert seen["batch"] > 20 and seen["alone"] > 20, seen
+
+
+@pytest.mark.parametrize("bad", [None, ("id", 2**31), ("id", -1), ("lp", 1e-3), ("lp", float("nan")),
+                                 ("lp", float("-inf"))])
+def test_a_large_batch_is_refused_for_any_one_bad_value(bad: tuple | None) -> None:
+    """Past ``answers._NUMPY_FROM`` joined values the batch check reduces with numpy: one id out of
+    range or one logprob that is positive or not finite anywhere sends every answer to ``check_answer``."""
+    from headrace.rollout import answers
+
+    outs = [{"text": "t", "output_ids": [7 + j, 8, 9, 10], "meta_info": {"finish_reason": "length",
+             "output_token_logprobs": [[-0.5, t, None] for t in (7 + j, 8, 9, 10)]}} for j in range(32)]
+    assert 32 * 4 >= answers._NUMPY_FROM
+    if bad is not None:
+        where = outs[17]
+        if bad[0] == "id":
+            where["output_ids"][2] = bad[1]
+        else:
+            where["meta_info"]["output_token_logprobs"][3][0] = bad[1]
+    got = answers.check_short_batch(outs)
+    assert (got is None) == (bad is not None)
 
 
 def _group(gid: str, n: int = 3, **kw: object) -> Group:
