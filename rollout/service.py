@@ -25,6 +25,11 @@ Guarantees:
   field; ``groups`` is at most the admission cap ((buffer.max_staleness + 1) x
   rollout.groups_per_step: more could never be admitted at once, and the trainer asks for
   groups_per_step); a body over ``rollout.max_body_mb`` is a 413 (``shared.serving.BodyLimit``).
+- ``/v1/generate_batch`` is a plain Starlette route in the same app (same middleware: token, body
+  bound), its body validated by the same model and its errors answered by FastAPI's handlers (a
+  422 lists ``{"loc": ["body", field], "msg", "type"}`` as for the other endpoints). FastAPI's
+  per-request machinery took ~0.15 ms of the ~0.65 ms from the request's arrival to the round's
+  start, and ~0.06 ms of the answer's way out, once a round (bench/rollout_bench.py, traced).
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ from typing import Any, AsyncIterator, Literal
 import httpx
 import orjson
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headrace.rollout.adapters import AdapterError, AdapterSync
@@ -323,7 +332,16 @@ def create_app(cfg: HeadraceConfig, launch_engines: bool = False) -> FastAPI:
     async def resume(req: ResumeRequest) -> dict[str, Any]:
         return await svc.resume(req)
 
-    @app.post("/v1/generate_batch")
+    async def generate_batch_route(request: Request) -> Response:
+        """POST /v1/generate_batch as a plain Starlette route (see the module docstring)."""
+        try:
+            req = BatchRequest.model_validate_json(await request.body())
+        except ValidationError as e:   # FastAPI's 422, as for a body model
+            raise RequestValidationError([{**er, "loc": ("body", *er["loc"])} for er in e.errors(include_url=False)])
+        return Response(orjson.dumps(await generate_batch(req)), media_type="application/json")
+
+    app.router.add_route("/v1/generate_batch", generate_batch_route, methods=["POST"])
+
     async def generate_batch(req: BatchRequest) -> dict[str, Any]:
         if cfg.rollout.mode != "on_demand":
             raise HTTPException(409, "generate_batch needs rollout.mode: on_demand (this service is continuous)")

@@ -125,7 +125,7 @@ def test_rollout_service_every_route(services: Services) -> None:
     from headrace.shared.config import load_config
 
     routes = _routes(create_app(load_config(services.config, environ={})))
-    assert ("POST", "/v1/resume") in routes
+    assert ("POST", "/v1/resume") in routes and ("POST", "/v1/generate_batch") in routes   # (a plain Starlette route)
     _check_every_route(services.rollout_url, routes)
 
 
