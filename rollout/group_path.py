@@ -46,12 +46,6 @@ __all__ = ["failed", "group_samples"]
 # construction: 0, ``NUMBERS_VALID`` or ``ALL_VALID``)
 Made = tuple["RolloutContext", Sample, list[Sample], int]
 
-_new = object.__new__
-_set = object.__setattr__
-_SET_BY_ANSWER = frozenset(("uid", "index", "label", "metadata", "tokens", "loss_mask", "rollout_logprobs",
-                            "response_length", "response", "status", "weight_version"))
-
-
 def failed(sample: Sample, why: str) -> Sample:
     """The prompt-only sample marked failed with the reason."""
     return Sample(uid=sample.uid, group_id=sample.group_id, index=sample.index, tokens=sample.tokens[: sample.prompt_length],
@@ -60,8 +54,8 @@ def failed(sample: Sample, why: str) -> Sample:
 
 
 def _flat(first: Sample) -> bool:
-    """Whether ``first`` copies as a new ``__dict__`` with a new metadata map (no extra or private
-    state, a scalar label, scalar metadata values)."""
+    """Whether ``first``'s samples need only a copy of its metadata map of their own (no extra or
+    private state, a scalar label, scalar metadata values)."""
     return (first.__pydantic_extra__ is None and getattr(first, "__pydantic_private__", None) is None
             and isinstance(first.label, _SCALARS) and all(isinstance(v, _SCALARS) for v in first.metadata.values()))
 
@@ -72,7 +66,7 @@ def group_samples(first: Sample, ctxs: list["RolloutContext"], answers: list[Any
     noted none)."""
     gid = first.group_id
     flat = _flat(first)
-    proto, meta, fields_set = first.__dict__, first.metadata, first.__pydantic_fields_set__ | _SET_BY_ANSWER
+    meta = first.metadata
     tokens, mask, lps = first.tokens, first.loss_mask, first.rollout_logprobs or []
     response, length = first.response or "", first.response_length
     checked: bool | None = None   # whether the fast samples pass ``_plain`` (the first one tells, for all)
@@ -85,16 +79,11 @@ def group_samples(first: Sample, ctxs: list["RolloutContext"], answers: list[Any
             v = ctx.weight_version if ctx.weight_version is not None else version
             out, info = a["output_ids"], a["meta_info"]
             if flat and type(a) is Answer and info.get("segments", 1) == 1:
-                d = proto.copy()
-                d.update(uid=uid, index=i, metadata=dict(meta), tokens=tokens + out, loss_mask=mask + [1] * len(out),
-                         rollout_logprobs=lps + a.logprobs, response_length=length + len(out),
-                         response=response + (a.get("text") or ""), status=STATUS[info["finish_reason"]["type"]],
-                         weight_version=v)
-                s = _new(Sample)
-                _set(s, "__dict__", d)
-                _set(s, "__pydantic_fields_set__", set(fields_set))
-                _set(s, "__pydantic_extra__", None)
-                _set(s, "__pydantic_private__", None)
+                s = clone_sample(first, {   # ``turn_fields``' values, without its general cases
+                    "uid": uid, "index": i, "label": first.label, "metadata": dict(meta), "tokens": tokens + out,
+                    "loss_mask": mask + [1] * len(out), "rollout_logprobs": lps + a.logprobs,
+                    "response_length": length + len(out), "response": response + (a.get("text") or ""),
+                    "status": STATUS[info["finish_reason"]["type"]], "weight_version": v})
                 if checked is None:
                     checked = _plain(s)
                 made.append((ctx, s, [s], ALL_VALID if checked else NUMBERS_VALID))

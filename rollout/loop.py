@@ -227,10 +227,11 @@ class RolloutLoop:
                 samples = await self.agent(item, gid)
             else:
                 samples = await self._finish(await asyncio.gather(*(self._generate(b, params, shared) for b in bases)))
-        for i, s in enumerate([] if numbered else samples):  # generators may return several samples: renumber
-            uid = f"{gid}-{i}"
-            if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)
-                s.index, s.uid, s.group_id = i, uid, gid
+        if not numbered:   # generators may return several samples: renumber
+            for i, s in enumerate(samples):
+                uid = f"{gid}-{i}"
+                if type(s.index) is not int or s.index != i or s.uid != uid or s.group_id != gid:   # (model sets cost)
+                    s.index, s.uid, s.group_id = i, uid, gid
         lost = sum(s.status == FAILED for s in samples)
         self.counts["samples"] += len(samples)
         self.counts["samples_failed"] += lost

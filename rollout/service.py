@@ -46,10 +46,9 @@ import httpx
 import orjson
 from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from starlette.requests import Request
 from starlette.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from headrace.rollout.adapters import AdapterError, AdapterSync
 from headrace.rollout.data import DataSource

@@ -12,8 +12,9 @@ through httpx as before. In ``bench/rollout_bench.py`` httpx's own work was ~0.7
 between the trainer's ``generate_batch`` call and the service's reading of it plus the answer's
 way back (traced; ~0.25 ms with ``http.client``). A kept-alive connection is reused only while it
 has been idle less than ``KEEPALIVE_S`` and has nothing to read (a server that closed it shows an
-end of file): a request is never written to a connection the server already closed, so a call
-that must not be repeated (``generate_batch``) is not lost to a stale connection either.
+end of file): no request is written to a connection the server had closed when the call began,
+so a call that is not repeated (``generate_batch``) is not lost to a stale connection (one closed
+at the very moment the request leaves fails the call, as with httpx).
 """
 
 from __future__ import annotations
@@ -108,11 +109,13 @@ class RolloutClient:
         self.retries = retries
         self.backoff_s = backoff_s
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=bearer_headers(token))
         self._conns = _lean(self.url, bearer_headers(token))
+        self._http = None if self._conns is not None else \
+            httpx.Client(base_url=self.url, timeout=timeout, headers=bearer_headers(token))
 
     def _send(self, method: str, path: str, body: Any, timeout: float | None) -> tuple[int, bytes]:
-        if self._conns is not None:
+        if self._http is None:
+            assert self._conns is not None
             return self._conns.request(method, path, None if body is None else orjson.dumps(body), timeout or self.timeout)
         resp = self._http.request(method, path, json=body, timeout=timeout or httpx.USE_CLIENT_DEFAULT)
         return resp.status_code, resp.content
@@ -173,4 +176,5 @@ class RolloutClient:
     def close(self) -> None:
         if self._conns is not None:
             self._conns.close()
-        self._http.close()
+        if self._http is not None:
+            self._http.close()
